@@ -1,0 +1,441 @@
+"""The `specserve` command: generate, bench, serve."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_name
+from specserve.engine.engine import RequestError
+from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
+from specserve.spec.sampling import SamplingParams
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Speculative decoding inference: generate, bench, serve.")
+USER_ERRORS = (ConfigError, ModelLoadError, RequestError)
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def deployment_config(model: str | None, method: str | None, draft_model: str | None, max_draft_len: int | None,
+                      prompt_lookup_min: int | None, prompt_lookup_max: int | None,
+                      dtype: str | None) -> DeploymentConfig:
+    """A model.yaml (if --model names one) with the command-line flags on top."""
+    if model and model.endswith((".yaml", ".yml")):
+        config = load_model_yaml(Path(model))
+    else:
+        config = DeploymentConfig(model=model or DEFAULT_MODEL)
+    overrides = {"method": method_name(method) if method else None, "speculative_model": draft_model,
+                 "max_draft_len": max_draft_len, "prompt_lookup_min": prompt_lookup_min,
+                 "prompt_lookup_max": prompt_lookup_max, "dtype": dtype}
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(config, key, value)
+    if config.max_draft_len < 1:
+        raise ConfigError(f"max_draft_len must be >= 1, got {config.max_draft_len}")
+    return config
+
+
+MODEL_HELP = f"{DEFAULT_MODEL} (embedded default), a checkpoint directory, a .gguf file or a model.yaml"
+METHOD_HELP = ("ar (plain decoding), ngram, draft_target, medusa, eagle, eagle2 or eagle3; default: the model.yaml's, "
+               "else ar")
+DRAFT_HELP = "Draft model (draft_target) or head directory (medusa, eagle, eagle2, eagle3)."
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt text."),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP),
+    method: Optional[str] = typer.Option(None, help=METHOD_HELP),
+    draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
+    max_draft_len: Optional[int] = typer.Option(None, help="Draft tokens per step (default 4; trees: depth)."),
+    prompt_lookup_min: Optional[int] = typer.Option(None, help="ngram: smallest n-gram to match."),
+    prompt_lookup_max: Optional[int] = typer.Option(None, help="ngram: largest n-gram to match."),
+    max_tokens: int = typer.Option(128, help="Maximum tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = no top-k."),
+    seed: Optional[int] = typer.Option(None),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past end-of-sequence."),
+    dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
+    json_output: bool = typer.Option(False, "--json", help='Print {"text": ..., "metrics": {...}}.'),
+) -> None:
+    """Generate text for one prompt."""
+    try:
+        config = deployment_config(model, method, draft_model, max_draft_len, prompt_lookup_min,
+                                   prompt_lookup_max, dtype)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, stop=list(stop), ignore_eos=ignore_eos)
+        params.validate()
+        engine = build_engine(config)
+        if not engine.lossless and not params.greedy:
+            typer.echo("warning: Medusa typical acceptance is on: sampled output does not follow the target's "
+                       "distribution exactly (not lossless)", err=True)
+        if json_output:
+            result = engine.generate(prompt, params)
+            payload = {"text": result.text, "finish_reason": result.finish_reason, "method": engine.method_name,
+                       "lossless": engine.lossless, "metrics": result.metrics.to_dict()}
+            typer.echo(json.dumps(payload, ensure_ascii=False))
+            return
+        for event in engine.stream(prompt, params):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        m = event.result.metrics
+        typer.echo(f"\n[{engine.method_name}] {m.output_tokens} tokens, {m.tokens_per_s:.1f} tok/s, "
+                   f"tau {m.acceptance_length:.2f}, acceptance {m.acceptance_rate:.2f}", err=True)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    except ValueError as exc:  # SamplingParams.validate
+        fail(str(exc))
+
+
+@app.command()
+def bench(
+    dataset: Path = typer.Option(..., help="question.jsonl (EAGLE/MT-bench) or genai-perf JSONL with 'text'."),
+    methods: str = typer.Option("ar,ngram,hf,hf-pld",
+                                help="Comma-separated: ar, ngram, draft_target, medusa, eagle, eagle2, eagle3, hf, "
+                                     "hf-pld."),
+    num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
+    max_tokens: int = typer.Option(128),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP),
+    draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
+    head: list[str] = typer.Option([], help="METHOD=DIR: the head (or draft model) of one method, e.g. "
+                                            "eagle3=./heads/eagle3 (repeatable; overrides --draft-model)."),
+    max_draft_len: Optional[int] = typer.Option(None, help="Draft tokens per step (also hf-pld's lookup length)."),
+    prompt_lookup_min: Optional[int] = typer.Option(None),
+    prompt_lookup_max: Optional[int] = typer.Option(None),
+    dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32 (hf uses the same)."),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+    step_costs: bool = typer.Option(False, "--step-costs",
+                                    help="Also time one target forward of 1..64 tokens (the price of verifying)."),
+    tree_costs: bool = typer.Option(False, "--tree-costs",
+                                    help="Also time a decoding step with EAGLE trees of 1..64 nodes (drafting + "
+                                         "verification) for each eagle method run, next to a plain step."),
+) -> None:
+    """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
+    from specserve.bench.offline import HF_METHODS, format_table, load_prompts, run_bench
+
+    try:
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        names = [m if m in HF_METHODS else method_name(m) for m in names]
+        if "ar" not in names:
+            names.insert(0, "ar")  # every ratio is against plain decoding
+        names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
+        config = deployment_config(model, None, draft_model, max_draft_len, prompt_lookup_min, prompt_lookup_max,
+                                   dtype)
+        heads = {}
+        for item in head:
+            name, sep, directory = item.partition("=")
+            if not sep or not name.strip() or not directory.strip():
+                fail(f"--head takes METHOD=DIR, got {item!r}")
+            heads[method_name(name)] = directory.strip()
+        prompts = load_prompts(dataset, num_prompts)
+        target = load_model(config.model, dtype=config.dtype)
+        results = run_bench(config, target, prompts, names, max_tokens, heads)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    typer.echo(format_table(results))
+    costs = measure_step_costs(target) if step_costs else None
+    if costs:
+        typer.echo("forward ms by tokens: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
+    trees = {}
+    if tree_costs:
+        from specserve.bench.offline import tree_step_costs
+        for name in (n for n in names if n in ("eagle", "eagle2", "eagle3")):
+            trees[name] = tree_step_costs(config, target, name, heads.get(name, config.speculative_model),
+                                          prompts[0])
+            typer.echo(f"{name} step ms by tree nodes: " + ", ".join(f"{n}: {ms}" for n, ms in trees[name].items()))
+    if json_file:
+        report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
+                  "dataset": str(dataset), "num_prompts": len(prompts), "max_tokens": max_tokens,
+                  "max_draft_len": config.max_draft_len, "methods": results}
+        if costs:
+            report["forward_ms_by_tokens"] = costs
+        if trees:
+            report["step_ms_by_tree_nodes"] = trees
+        json_file.write_text(json.dumps(report, indent=2))
+
+
+@app.command()
+def serve(
+    model_repository: Optional[Path] = typer.Option(
+        None, "--model-repository", help="Triton model repository: <dir>/<name>/1/model.yaml (TRT-LLM LLM API) or "
+                                         "<dir>/<name>/1/model.json (vLLM backend)."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help=f"Serve one model: {MODEL_HELP}, or a vLLM model.json. Default: {DEFAULT_MODEL} with "
+                              "n-gram speculation, as tensorrt_llm, ensemble, vllm_model, eagle_model and "
+                              f"{DEFAULT_MODEL}."),
+    http_port: int = typer.Option(8000, "--http-port", help="Triton HTTP (v2, generate) and OpenAI (/v1) port."),
+    metrics_port: int = typer.Option(8002, "--metrics-port", help="Prometheus /metrics port."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    max_queue_size: int = typer.Option(64, "--max-queue-size", help="Waiting requests per model before 503."),
+    model_control_mode: str = typer.Option("none", "--model-control-mode",
+                                           help="none: load every model at start; explicit: only --load-model."),
+    load_model_names: list[str] = typer.Option([], "--load-model", help="explicit mode: model to load "
+                                                                         "(repeatable)."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve models over HTTP: Triton v2 + generate (8000), OpenAI /v1 (8000), Prometheus metrics (8002)."""
+    import logging
+
+    from specserve.server.app import SpecServer, build_repository
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if model_control_mode not in ("none", "explicit"):
+        fail(f"--model-control-mode must be none or explicit, got {model_control_mode!r}")
+    if max_queue_size < 1:
+        fail(f"--max-queue-size must be >= 1, got {max_queue_size}")
+    try:
+        repository = build_repository(model_repository, model, max_queue_size)
+        names = list(load_model_names) if model_control_mode == "explicit" else None
+        unknown = [n for n in names or [] if n not in repository.models]
+        if unknown:
+            fail(f"--load-model {unknown[0]!r}: no such model in the repository")
+        errors = repository.load_all(names)
+        if errors:
+            repository.close()
+            fail("; ".join(errors.values()))
+        if not repository.ready_models() and model_control_mode == "none":
+            fail(f"no model to serve in {model_repository}: expected <name>/1/model.yaml or <name>/1/model.json")
+        server = SpecServer(repository, host=host, http_port=http_port, metrics_port=metrics_port,
+                            log_level=log_level)
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot listen on {host}: {exc}")
+    for served in repository.ready_models():
+        typer.echo(f"model {served.name} ({served.kind}, {served.engine.method_name}) READY", err=True)
+    typer.echo(f"Started HTTPService at {host}:{server.http_port} (Triton v2 + OpenAI /v1)", err=True)
+    typer.echo(f"Started Metrics Service at {host}:{server.metrics_port}", err=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command("convert-dataset")
+def convert_dataset_command(
+    input_file: Path = typer.Option(..., "--input_file", "--input-file", "-i",
+                                    help="EAGLE / MT-bench question.jsonl (one question a line, with a 'turns' list)."),
+    output_file: Path = typer.Option(..., "--output_file", "--output-file", "-o",
+                                     help='genai-perf input JSONL to write: one {"text": turn} line per turn.'),
+) -> None:
+    """Convert EAGLE's question.jsonl into genai-perf's input format (the tutorials' dataset-converter.py)."""
+    from specserve.bench.convert import ConvertError, convert_dataset
+
+    try:
+        count = convert_dataset(input_file, output_file)
+    except ConvertError as exc:
+        fail(str(exc))
+    typer.echo(f"Converted dataset {input_file} and saved to {output_file} ({count} prompts)")
+
+
+@app.command("train")
+def train_command(
+    kind: str = typer.Argument(..., help="eagle3, eagle, medusa or draft."),
+    target: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP.removesuffix(" or a model.yaml")),
+    prompts: Optional[Path] = typer.Option(None, help="Training prompts (JSONL with text or turns, or .txt "
+                                                       "paragraphs); default: specserve's built-in set."),
+    out: Path = typer.Option(..., help="Output directory: the head in its published layout, checkpoint, report."),
+    data: Optional[Path] = typer.Option(None, help="Self-distillation data directory (default OUT/data); "
+                                                   "reusable across methods for one target."),
+    num_prompts: Optional[int] = typer.Option(None, help="Use the first N training prompts."),
+    eval_prompts: Optional[Path] = typer.Option(None, help="Held-out evaluation prompts (default: the last 5% of "
+                                                           "the training prompts, at most 20, kept out of training)."),
+    max_tokens: int = typer.Option(128, help="Response tokens the target generates per prompt."),
+    temperature: float = typer.Option(0.0, help="The target's sampling temperature for the responses."),
+    steps: int = typer.Option(1000),
+    lr: float = typer.Option(3e-4),
+    batch_size: int = typer.Option(4, help="Windows per micro-batch."),
+    grad_accum: int = typer.Option(1),
+    seq_len: int = typer.Option(256),
+    ttt_steps: int = typer.Option(3, help="EAGLE: drafting steps simulated in training (training-time test)."),
+    draft_vocab_size: int = typer.Option(16384, help="EAGLE-3, Medusa, draft: the draft vocabulary (the most "
+                                                     "frequent tokens in the data)."),
+    medusa_heads: int = typer.Option(4),
+    draft_layers: int = typer.Option(2, help="draft: decoder layers of the small draft model."),
+    seed: int = typer.Option(0),
+    dtype: Optional[str] = typer.Option(None, help="The target's dtype: auto, bfloat16 or float32."),
+) -> None:
+    """Train a draft head (or a small draft model) for a target by self-distillation."""
+    from specserve.train.heads import TrainSettings
+    from specserve.train.prompt_files import read_prompt_file
+    from specserve.train.prompt_set import build_prompt_set
+    from specserve.train.run import run_training
+
+    if kind not in ("eagle3", "eagle", "medusa", "draft"):
+        fail(f"unknown head kind {kind!r}; choose eagle3, eagle, medusa or draft")
+    try:
+        train_prompts = read_prompt_file(prompts) if prompts else build_prompt_set()
+        held_out = read_prompt_file(eval_prompts) if eval_prompts else None
+        if num_prompts:
+            train_prompts = train_prompts[:num_prompts]
+        settings = TrainSettings(kind=kind, steps=steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+                                 seq_len=seq_len, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size,
+                                 medusa_heads=medusa_heads, draft_layers=draft_layers, seed=seed)
+        model = load_model(target, dtype=dtype)
+        report = run_training(model, kind, train_prompts, out, data, held_out, max_tokens, temperature, settings,
+                              echo=lambda text: typer.echo(text, err=True))
+    except (*USER_ERRORS, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"{exc} (nothing half-written is kept: run the same command again to resume)")
+    typer.echo(json.dumps({k: report[k] for k in ("kind", "train_prompts", "train_tokens", "data_seconds",
+                                                  "train_seconds") if k in report} | {"eval": report.get("eval")}))
+
+
+profile_app = typer.Typer(add_completion=False, help="Profile a running server the way genai-perf does "
+                          "(`specserve profile -m MODEL ...`), or compare two runs (`specserve profile compare`).")
+app.add_typer(profile_app, name="profile")
+
+
+def _key_values(items: list[str], flag: str, parse_values: bool) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep or not key.strip():
+            fail(f"{flag} takes KEY:VALUE, got {item!r}")
+        value = value.strip()
+        if parse_values:
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        out[key.strip()] = value
+    return out
+
+
+@profile_app.callback(invoke_without_command=True)
+def profile(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="The served model's name (as in the URL)."),
+    service_kind: str = typer.Option("triton", "--service-kind",
+                                     help="triton (generate / generate_stream) or openai (/v1)."),
+    backend: str = typer.Option("tensorrtllm", "--backend",
+                                help="triton request style: tensorrtllm (LLM-API / ensemble inputs) or vllm."),
+    endpoint_type: Optional[str] = typer.Option(None, "--endpoint-type",
+                                                help="completions or chat (openai); kserve or generate (triton)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="Custom path, e.g. v1/completions."),
+    streaming: bool = typer.Option(False, "--streaming", help="Stream the responses (TTFT, ITL)."),
+    input_file: Optional[Path] = typer.Option(None, "--input-file", "--input_file",
+                                              help='genai-perf JSONL: one {"text": ...} a line.'),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
+                                            help="Tokenizer for the token counts: a directory, a specserve model "
+                                                 "name, or a HF name; default: the served model's."),
+    url: str = typer.Option("localhost:8000", "--url", "-u", help="HOST:PORT of the server's HTTP port."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency",
+                                              help="Requests in flight (closed loop); default 1."),
+    request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Requests per second (open loop)."),
+    request_distribution: str = typer.Option("constant", "--request-distribution",
+                                             help="Gaps between requests at --request-rate: constant or poisson."),
+    request_count: int = typer.Option(10, "--request-count", "--num-prompts", help="Measured requests."),
+    warmup_request_count: int = typer.Option(2, "--warmup-request-count", help="Unmeasured requests sent first."),
+    output_tokens_mean: Optional[int] = typer.Option(None, "--output-tokens-mean", "--osl",
+                                                     help="max_tokens of each request."),
+    output_tokens_stddev: float = typer.Option(0.0, "--output-tokens-stddev",
+                                               help="Sample max_tokens from a normal distribution (seeded)."),
+    output_tokens_mean_deterministic: bool = typer.Option(
+        False, "--output-tokens-mean-deterministic", help="Also send min tokens = max_tokens (exact lengths)."),
+    extra_inputs: list[str] = typer.Option([], "--extra-inputs", help="KEY:VALUE added to every request "
+                                                                       "(repeatable), e.g. temperature:0.7."),
+    header: list[str] = typer.Option([], "--header", "-H", help="HTTP header NAME:VALUE (repeatable)."),
+    profile_export_file: Path = typer.Option(Path("profile_export.json"), "--profile-export-file",
+                                             help="Export file name (in the artifact directory)."),
+    artifact_dir: Optional[Path] = typer.Option(None, "--artifact-dir",
+                                                help="Default: artifacts/<model>-<kind>-<backend>-concurrency<N>."),
+    server_metrics_url: Optional[str] = typer.Option(None, "--server-metrics-url",
+                                                     help="Prometheus /metrics of the server (default: the HTTP "
+                                                          "port's, else port 8002)."),
+    random_seed: int = typer.Option(0, "--random-seed", help="Seed of the sampled lengths and Poisson gaps."),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds before a request fails."),
+) -> None:
+    """Profile a running server: genai-perf's LLM metrics, console table and exports."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from specserve.bench.profile import ProfileConfig, ProfileError, console_table, run_profile
+
+    if model is None:
+        typer.echo(ctx.get_help())
+        fail("give the model to profile with -m/--model")
+    if input_file is None:
+        fail("give the prompts with --input-file (genai-perf JSONL; `specserve convert-dataset` makes one from "
+             "EAGLE's question.jsonl)")
+    config = ProfileConfig(
+        model=model, input_file=input_file, service_kind=service_kind, backend=backend, endpoint_type=endpoint_type,
+        endpoint=("/" + endpoint.lstrip("/")) if endpoint else None, streaming=streaming, tokenizer=tokenizer,
+        url=url, concurrency=concurrency, request_rate=request_rate, request_distribution=request_distribution,
+        request_count=request_count, warmup_request_count=warmup_request_count,
+        output_tokens_mean=output_tokens_mean, output_tokens_stddev=output_tokens_stddev,
+        output_tokens_mean_deterministic=output_tokens_mean_deterministic,
+        extra_inputs=_key_values(extra_inputs, "--extra-inputs", True),
+        headers=_key_values(header, "--header", False), profile_export_file=profile_export_file,
+        artifact_dir=artifact_dir, server_metrics_url=server_metrics_url, random_seed=random_seed,
+        request_timeout=request_timeout, progress=sys.stderr.isatty())
+    try:
+        result = run_profile(config, echo=lambda line: typer.echo(line, err=True))
+    except ProfileError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted")
+    typer.echo(console_table(result))
+    typer.echo(f"Exported: {result.export_file}, {result.genai_perf_json}, {result.genai_perf_csv}")
+    failed = result.failed
+    if failed:
+        indexes = ", ".join(str(r.index) for r in failed[:10]) + (" ..." if len(failed) > 10 else "")
+        typer.echo(f"error: {len(failed)} of {len(result.records)} requests failed (indexes {indexes}); first error: "
+                   f"{failed[0].error}. The export is partial: its specserve.failed_requests lists them.", err=True)
+        raise typer.Exit(1)
+
+
+@profile_app.command("compare")
+def profile_compare(
+    base: Path = typer.Argument(..., help="The base model's profile export (JSON written by specserve profile)."),
+    spec: Path = typer.Argument(..., help="The speculative model's profile export, same inputs."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: latency distribution and throughput."),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Write the comparison as JSON."),
+    strict: bool = typer.Option(False, "--strict", help="Exit 1 when the outputs are not identical."),
+) -> None:
+    """Compare two runs over the same inputs: speedups, acceptance, identical outputs, a plot."""
+    from specserve.bench.compare import CompareError, compare_runs, format_report, load_run
+    from specserve.bench.compare import plot as make_plot
+
+    try:
+        base_run, spec_run = load_run(base), load_run(spec)
+        report = compare_runs(base_run, spec_run)
+        typer.echo(format_report(report))
+        if plot:
+            report["plot"] = str(make_plot(base_run, spec_run, report, plot))
+            typer.echo(f"plot: {plot}")
+        if json_file:
+            json_file.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    except CompareError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write {json_file}: {exc}")
+    if strict and not report["outputs"]["all_identical"]:
+        raise typer.Exit(1)
+
+
+def measure_step_costs(target) -> dict[int, float]:
+    """Milliseconds of one target forward of n new tokens (all with logits) in one row, empty context."""
+    from specserve.engine.batch import StepCosts
+    from specserve.engine.engine import Engine
+
+    costs = StepCosts(Engine(target), rows=1)
+    return {size: round(seconds * 1e3, 2) for size, seconds in zip(costs.sizes, costs.seconds)}
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

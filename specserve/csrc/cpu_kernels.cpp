@@ -1,0 +1,710 @@
+// Row-invariant bf16 CPU kernels for bit-exact speculative decoding.
+//
+// oneDNN's bf16 GEMM and PyTorch's SDPA pick blockings (and so reduction orders) by problem shape, so a token's
+// logits change with the number of tokens in the forward (T=1 decoding vs T=K+1 verification) or the KV length.
+// Here each output element goes through one fixed sequence of fp32 operations, whatever the shape, the other
+// rows, the masked keys or the thread count. Register blocking (several x rows per weight chunk, several heads
+// per key tile) and thread splits only change which independent elements are computed together.
+//
+// Built with -march=native; the recipe is fixed per build and machine:
+//   small_linear   AMX (TDPBF16PS, K in steps of 32) when the CPU and the kernel allow it, else dot_tile's
+//                  VDPBF16PS recipe (AVX512-BF16, or a bit-identical scalar model of it up to denormals);
+//   attention      fp32 FMAs on exactly widened bf16 operands (AVX-512F, or the same arithmetic in scalar
+//                  code, with libm's exp).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int64_t kStep = 32;  // bf16 elements per dot-product step (one VDPBF16PS, one AMX tile row)
+
+// The fixed reduction of 16 lanes: lane l + lane l + 8, then + 4, + 2, + 1.
+inline float hsum16_lanes(float* lane) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+#ifdef __AVX512F__
+
+inline float hsum16(__m512 v) {  // hsum16_lanes' tree
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // l + 8
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));       // l + 4
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                              // l + 2
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));                                               // l + 1
+  return _mm_cvtss_f32(q);
+}
+
+// hsum16 of four vectors at once: the same lane pairs are added, so each sum is bit-identical to hsum16's.
+inline __m128 hsum16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));  // l + 8
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xee));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xdd));     // l + 4
+  r = _mm512_add_ps(r, _mm512_permute_ps(r, 0x4e));                                                    // l + 2
+  r = _mm512_add_ps(r, _mm512_permute_ps(r, 0xb1));                                                    // l + 1
+  return _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, r));
+}
+
+template <int MR, int NR>
+void store_sums(__m512 (&acc)[MR][NR], float* out) {
+  for (int i = 0; i < MR; ++i) {
+    int j = 0;
+    for (; j + 4 <= NR; j += 4)
+      _mm_storeu_ps(out + i * NR + j, hsum16x4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
+    for (; j < NR; ++j) out[i * NR + j] = hsum16(acc[i][j]);
+  }
+}
+
+inline __mmask16 first_n16(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+}
+
+inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 16; bf16 -> fp32 is exact
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
+}
+
+// out[i * NR + j] = dot(a[i], b[j]) over D (a multiple of 16): lane l takes fma(a[d], b[d]) for d = l, l + 16, ...
+template <int MR, int NR>
+void dot_f32(const float* const* a, const float* const* b, int64_t D, float* out) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 bv[NR];
+    for (int j = 0; j < NR; ++j) bv[j] = _mm512_loadu_ps(b[j] + d);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_loadu_ps(a[i] + d);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+  store_sums(acc, out);
+}
+
+// acc[i * stride + e] = fma(p[i][j], v[j][d + e], ...) for j = 0 .. n-1 in order, e < 16 V, rows i < MR.
+template <int MR, int V>
+void add_rows(float* acc, int64_t stride, const float* const* v, int64_t d, const float* const* p, int n) {
+  __m512 sum[MR][V];
+  for (int i = 0; i < MR; ++i)
+    for (int e = 0; e < V; ++e) sum[i][e] = _mm512_loadu_ps(acc + i * stride + 16 * e);
+  for (int j = 0; j < n; ++j) {
+    __m512 x[V];
+    for (int e = 0; e < V; ++e) x[e] = _mm512_loadu_ps(v[j] + d + 16 * e);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 pj = _mm512_set1_ps(p[i][j]);
+      for (int e = 0; e < V; ++e) sum[i][e] = _mm512_fmadd_ps(pj, x[e], sum[i][e]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int e = 0; e < V; ++e) _mm512_storeu_ps(acc + i * stride + 16 * e, sum[i][e]);
+}
+
+inline float max_of(const float* p, int64_t n) {  // max is exact: lane grouping can't change it
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(_mm512_mask_loadu_ps(mx, first_n16(n - i), p + i), mx);
+  return _mm512_reduce_max_ps(mx);
+}
+
+// exp(x) = 2^n exp(r), n = round(x / ln 2), |r| <= ln(2) / 2, with Cephes' expf polynomial (about 1 ulp).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.f), x);  // exp underflows to 0 anyway; keeps NaN (second operand)
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// p[i] <- exp(p[i] - shift); returns sum p: lane i % 16, then the fixed tree.
+inline float exp_shifted(float* p, int64_t n, float shift) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first_n16(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + i), _mm512_set1_ps(shift)));
+    _mm512_mask_storeu_ps(p + i, m, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+  }
+  return hsum16(sum);
+}
+
+#else  // the same arithmetic, one lane at a time
+
+inline void widen(const bf16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+}
+
+template <int MR, int NR>
+void dot_f32(const float* const* a, const float* const* b, int64_t D, float* out) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float lane[16] = {};
+      for (int64_t d = 0; d < D; ++d) lane[d % 16] = std::fma(a[i][d], b[j][d], lane[d % 16]);
+      out[i * NR + j] = hsum16_lanes(lane);
+    }
+}
+
+template <int MR, int V>
+void add_rows(float* acc, int64_t stride, const float* const* v, int64_t d, const float* const* p, int n) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < n; ++j)
+      for (int e = 0; e < 16 * V; ++e) acc[i * stride + e] = std::fma(p[i][j], v[j][d + e], acc[i * stride + e]);
+}
+
+inline float max_of(const float* p, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+  return mx;
+}
+
+inline float exp_shifted(float* p, int64_t n, float shift) {
+  float lane[16] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = std::exp(p[i] - shift);
+    lane[i % 16] += p[i];
+  }
+  return hsum16_lanes(lane);
+}
+
+#endif
+
+#ifdef __AVX512BF16__
+
+constexpr const char* kDotPath = "avx512_bf16";
+
+inline __m512bh load_bf16x32(const bf16* p, int64_t n) {  // zero-filled past n
+  return (__m512bh)_mm512_maskz_loadu_epi16(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, p);
+}
+
+// out[i * NR + j] = dot(a[i], b[j]) over K: lane l accumulates the pairs (k0 + 2l, k0 + 2l + 1), k0 = 0, 32, ...
+// (VDPBF16PS), then the fixed tree. Each loaded b chunk serves MR rows of a.
+template <int MR, int NR>
+void dot_tile(const bf16* const* a, const bf16* const* b, int64_t K, float* out) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    __m512bh bv[NR];
+    for (int j = 0; j < NR; ++j) bv[j] = load_bf16x32(b[j] + k, K - k);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh av = load_bf16x32(a[i] + k, K - k);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], av, bv[j]);
+    }
+  }
+  store_sums(acc, out);
+}
+
+#else  // a scalar model of the VDPBF16PS recipe
+
+constexpr const char* kDotPath = "scalar";
+
+// A bf16 x bf16 product is exact in fp32, so each step rounds once, like VDPBF16PS (odd element first).
+inline float product(const bf16* a, const bf16* b, int64_t k, int64_t K) {
+  return k < K ? float(a[k]) * float(b[k]) : 0.f;
+}
+
+template <int MR, int NR>
+void dot_tile(const bf16* const* a, const bf16* const* b, int64_t K, float* out) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      float lane[16] = {};
+      for (int64_t k0 = 0; k0 < K; k0 += kStep)
+        for (int l = 0; l < 16; ++l) {
+          lane[l] += product(a[i], b[j], k0 + 2 * l + 1, K);
+          lane[l] += product(a[i], b[j], k0 + 2 * l, K);
+        }
+      out[i * NR + j] = hsum16_lanes(lane);
+    }
+}
+
+#endif
+
+// ---------------------------------------------------------------------------------------------- small_linear
+
+constexpr int kMR = 4;  // x rows per tile
+constexpr int kNR = 4;  // weight rows per tile: 16 accumulators + 4 weight vectors fit the 32 zmm registers
+
+using TileFn = void (*)(const bf16* const*, const bf16* const*, int64_t, float*);
+
+template <int MR>
+constexpr std::array<TileFn, kNR> tiles_for_rows() {
+  return {dot_tile<MR, 1>, dot_tile<MR, 2>, dot_tile<MR, 3>, dot_tile<MR, 4>};
+}
+
+// kTiles[mr - 1][nr - 1] handles the ragged edges with the same per-element recipe.
+constexpr std::array<std::array<TileFn, kNR>, kMR> kTiles = {
+    tiles_for_rows<1>(), tiles_for_rows<2>(), tiles_for_rows<3>(), tiles_for_rows<4>()};
+
+struct Linear {
+  const bf16 *x, *w;
+  const float* bias;  // fp32 [N] or null
+  float* y32;         // exactly one of y32, y16 is set
+  bf16* y16;
+  int64_t M, N, K;
+};
+
+void store(const Linear& L, int64_t m, int64_t n, float acc) {
+  const float v = L.bias ? acc + L.bias[n] : acc;
+  if (L.y32)
+    L.y32[m * L.N + n] = v;
+  else
+    L.y16[m * L.N + n] = bf16(v);  // round to nearest even
+}
+
+// y[:, n0 : n0 + nr], one weight tile at a time so it stays in L1 while every x row passes.
+void linear_block(const Linear& L, int64_t n0, int64_t nr) {
+  const bf16* b[kNR];
+  for (int j = 0; j < nr; ++j) b[j] = L.w + (n0 + j) * L.K;
+  for (int64_t m0 = 0; m0 < L.M; m0 += kMR) {
+    const int64_t mr = std::min<int64_t>(kMR, L.M - m0);
+    const bf16* a[kMR];
+    for (int i = 0; i < mr; ++i) a[i] = L.x + (m0 + i) * L.K;
+    float tile[kMR * kNR];
+    kTiles[mr - 1][nr - 1](a, b, L.K, tile);
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) store(L, m0 + i, n0 + j, tile[i * nr + j]);
+  }
+}
+
+void linear_dot(const Linear& L) {
+  // Threads split N: that moves whole output columns between threads, never changes their arithmetic.
+  const int64_t blocks = (L.N + kNR - 1) / kNR;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kNR * std::max<int64_t>(L.K, 1) * L.M));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) linear_block(L, blk * kNR, std::min<int64_t>(kNR, L.N - blk * kNR));
+  });
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+
+// AMX computes y^T = W x^T: W rows load straight into A tiles (16 n x 32 k), x^T is packed once per call into
+// B tiles (16 k pairs x 16 m). TDPBF16PS updates C[n][m] from A row n and B column m only, so padded or other
+// columns of x never change a result, and one instruction sequence serves every M up to 32 (memory-bound).
+constexpr int64_t kTileN = 16, kTileM = 16;
+constexpr int64_t kBTile = kStep / 2 * kTileM;  // bf16 pairs in one B tile
+
+bool amx_permitted() {  // Linux hands out the 8 KiB tile state only on request
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+void configure_tiles() {  // all 8 tiles are 16 rows x 64 bytes: C 0-3, B 4-5, A 6-7
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// B tile (mb, c) holds the bf16 pair x[mb * 16 + j][c * 32 + 2 i + {0, 1}] at row i, column j (16 x 16 pairs);
+// zeros beyond M and K.
+std::vector<uint32_t> pack_x(const Linear& L, int64_t chunks, int64_t mblocks) {
+  std::vector<uint32_t> packed(mblocks * chunks * kBTile, 0);
+  for (int64_t m = 0; m < L.M; ++m) {
+    const bf16* row = L.x + m * L.K;
+    uint32_t* dst = packed.data() + m / kTileM * chunks * kBTile + m % kTileM;
+    for (int64_t k = 0; k < L.K; k += 2) {
+      uint32_t pair = row[k].x;
+      if (k + 1 < L.K) std::memcpy(&pair, row + k, sizeof pair);
+      dst[k / 2 * kTileM] = pair;  // row k / 2 % 16 of the B tile of chunk k / 32
+    }
+  }
+  return packed;
+}
+
+// W rows n0 .. n0+15, columns k0 .. k0+31 as an A tile: in place when whole, else a zero-padded copy.
+const bf16* weight_tile(const Linear& L, int64_t n0, int64_t k0, bf16* pad, int64_t& stride) {
+  stride = L.K * 2;
+  if (n0 + kTileN <= L.N && k0 + kStep <= L.K) return L.w + n0 * L.K + k0;
+  std::fill(pad, pad + kTileN * kStep, bf16(0.f));
+  for (int64_t n = n0; n < std::min(L.N, n0 + kTileN); ++n)
+    std::copy(L.w + n * L.K + k0, L.w + n * L.K + std::min(L.K, k0 + kStep), pad + (n - n0) * kStep);
+  stride = kStep * 2;
+  return pad;
+}
+
+// c10::BFloat16's round to nearest even (NaN -> 0x7fc0), 16 lanes at a time.
+inline __m256i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// C tile c[n][m] -> y[m0 + m, n0 + n] (+ bias), one gathered column of C per row of y.
+void store_tile(const Linear& L, int64_t n0, int64_t m0, const float (*c)[kTileM]) {
+  if (n0 >= L.N) return;
+  const __mmask16 keep = __mmask16((1u << std::min(L.N - n0, kTileN)) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kTileM),
+                                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  const __m512 bias = L.bias ? _mm512_maskz_loadu_ps(keep, L.bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = m0; m < std::min(L.M, m0 + kTileM); ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &c[0][m - m0], 4), bias);
+    if (L.y32)
+      _mm512_mask_storeu_ps(L.y32 + m * L.N + n0, keep, v);
+    else
+      _mm256_mask_storeu_epi16(L.y16 + m * L.N + n0, keep, round_to_bf16(v));
+  }
+}
+
+// y[m0 : m0 + 32, n0 : n0 + 32] from four C tiles; the B tile of rows m0 + 16 .. is skipped when M is smaller.
+void amx_block(const Linear& L, const uint32_t* packed, int64_t chunks, int64_t n0, int64_t m0) {
+  const bool two_m = m0 + kTileM < L.M;
+  const uint32_t* b = packed + m0 / kTileM * chunks * kBTile;
+  alignas(64) bf16 pad[2][kTileN * kStep];
+  int64_t stride;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(4, b + c * kBTile, 64);
+    if (two_m) _tile_loadd(5, b + (chunks + c) * kBTile, 64);
+    _tile_loadd(6, weight_tile(L, n0, c * kStep, pad[0], stride), stride);
+    _tile_dpbf16ps(0, 6, 4);
+    if (two_m) _tile_dpbf16ps(1, 6, 5);
+    _tile_loadd(7, weight_tile(L, n0 + kTileN, c * kStep, pad[1], stride), stride);
+    _tile_dpbf16ps(2, 7, 4);
+    if (two_m) _tile_dpbf16ps(3, 7, 5);
+  }
+  alignas(64) float out[kTileN][kTileM];
+  _tile_stored(0, out, 64); store_tile(L, n0, m0, out);
+  _tile_stored(2, out, 64); store_tile(L, n0 + kTileN, m0, out);
+  if (!two_m) return;
+  _tile_stored(1, out, 64); store_tile(L, n0, m0 + kTileM, out);
+  _tile_stored(3, out, 64); store_tile(L, n0 + kTileN, m0 + kTileM, out);
+}
+
+void linear_amx(const Linear& L) {
+  const int64_t chunks = (L.K + kStep - 1) / kStep, mblocks = (L.M + kTileM - 1) / kTileM;
+  const std::vector<uint32_t> packed = pack_x(L, chunks, mblocks);
+  const int64_t nblocks = (L.N + 2 * kTileN - 1) / (2 * kTileN);
+  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(chunks, 1));
+  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t nb = begin; nb < end; ++nb)
+      for (int64_t m0 = 0; m0 < L.M; m0 += 2 * kTileM) amx_block(L, packed.data(), chunks, nb * 2 * kTileN, m0);
+    _tile_release();
+  });
+}
+
+#endif
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        bool out_fp32) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "small_linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "small_linear: bf16 x and weight expected");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "small_linear: contiguous x and weight expected");
+  TORCH_CHECK(x.size(1) == weight.size(1), "small_linear: x and weight disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "small_linear: bias [N] expected");
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 || bias->scalar_type() == at::kFloat,
+                "small_linear: bf16 or fp32 bias expected");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  const Linear L{x.data_ptr<bf16>(), weight.data_ptr<bf16>(), b32.defined() ? b32.data_ptr<float>() : nullptr,
+                 out_fp32 ? y.data_ptr<float>() : nullptr, out_fp32 ? nullptr : y.data_ptr<bf16>(), M, N, K};
+  if (M == 0) return y;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+  if (amx_permitted()) {
+    linear_amx(L);
+    return y;
+  }
+#endif
+  linear_dot(L);
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------ decode_attention
+//
+// Per query row (b, h, t) and the keys its mask row shows, in increasing order (masked keys are never read):
+//   score_s = scale * dot(q, k_s), dot_f32's recipe on exactly widened bf16 (so every product is exact);
+//   p_s = exp(score_s - max score); sum = sum p_s by position in the visible list mod 16, then the fixed tree;
+//   out = bf16(acc / sum) with acc = fma(p_s, v_s, acc) over the visible keys in order.
+// The G = H / Hkv query heads of a kv head share their mask rows, so they are computed together against one
+// fp32 copy of each tile of keys (or values), read once per call.
+
+constexpr int64_t kKeyTile = 32;
+constexpr int kHeads = 4;  // query heads per register block
+
+using Keys = std::vector<int32_t>;  // visible keys of one mask row (b, t), increasing
+
+struct Attn {
+  const bf16 *k, *v;
+  int64_t Hkv, T, S, D, G;
+  float scale;
+  at::IntArrayRef ks, vs;  // element strides
+};
+
+struct Row {  // query row (b, h, t); the rows of kv head (b, hkv) are ordered t * G + (h - hkv * G)
+  const float* q;  // fp32 copy
+  bf16* out;
+  const Keys* keys;
+  std::vector<float> p;  // scores, then unnormalized probabilities
+  float sum;
+};
+
+struct Span {  // keys[i0:i1]: a mask row's visible keys within one tile
+  size_t i0, i1;
+};
+
+// Calls f(t0, t1, spans) for each key tile [t0, t1) of [s0, s1); spans[t] covers mask row t's keys in it.
+template <typename F>
+void for_key_tiles(const Keys* keys, int64_t T, int64_t s0, int64_t s1, F&& f) {
+  std::vector<Span> spans(T);
+  for (int64_t t = 0; t < T; ++t)
+    spans[t].i1 = std::lower_bound(keys[t].begin(), keys[t].end(), s0) - keys[t].begin();
+  for (int64_t t0 = s0; t0 < s1; t0 += kKeyTile) {
+    const int64_t t1 = std::min(s1, t0 + kKeyTile);
+    for (int64_t t = 0; t < T; ++t)
+      for (spans[t].i0 = spans[t].i1; spans[t].i1 < keys[t].size() && keys[t][spans[t].i1] < t1;) ++spans[t].i1;
+    f(t0, t1, spans);
+  }
+}
+
+// tile[s - t0][0:w] = fp32 src[s * stride : + w] for the keys of [t0, t1) that some mask row shows.
+void widen_visible(const bf16* src, int64_t stride, const Keys* keys, const std::vector<Span>& spans,
+                   int64_t t0, int64_t t1, int64_t w, float* tile) {
+  bool seen[kKeyTile] = {};
+  for (size_t t = 0; t < spans.size(); ++t)
+    for (size_t i = spans[t].i0; i < spans[t].i1; ++i) seen[keys[t][i] - t0] = true;
+  for (int64_t s = t0; s < t1; ++s)
+    if (seen[s - t0]) widen(src + s * stride, tile + (s - t0) * w, w);
+}
+
+using DotFn = void (*)(const float* const*, const float* const*, int64_t, float*);
+template <int MR>
+constexpr std::array<DotFn, 2> dots_for_heads() {
+  return {dot_f32<MR, 1>, dot_f32<MR, 4>};
+}
+constexpr std::array<std::array<DotFn, 2>, kHeads> kDots = {dots_for_heads<1>(), dots_for_heads<2>(),
+                                                            dots_for_heads<3>(), dots_for_heads<4>()};
+
+// Scores of mr (<= kHeads) heads sharing one mask row, for its keys in span sp of the fp32 key tile.
+void score_block(const Attn& a, Row* rows, int mr, Span sp, const float* tile, int64_t t0) {
+  const Keys& keys = *rows[0].keys;
+  const float* q[kHeads];
+  for (int i = 0; i < mr; ++i) q[i] = rows[i].q;
+  for (size_t i = sp.i0; i < sp.i1;) {
+    const int nr = sp.i1 - i >= 4 ? 4 : 1;
+    const float* k[4];
+    for (int j = 0; j < nr; ++j) k[j] = tile + (keys[i + j] - t0) * a.D;
+    float out[kHeads * 4];
+    kDots[mr - 1][nr / 4](q, k, a.D, out);
+    for (int r = 0; r < mr; ++r)
+      for (int j = 0; j < nr; ++j) rows[r].p[i + j] = a.scale * out[r * nr + j];
+    i += nr;
+  }
+}
+
+using AddFn = void (*)(float*, int64_t, const float* const*, int64_t, const float* const*, int);
+template <int MR>
+constexpr std::array<AddFn, 2> adds_for_heads() {
+  return {add_rows<MR, 1>, add_rows<MR, 4>};
+}
+constexpr std::array<std::array<AddFn, 2>, kHeads> kAdds = {adds_for_heads<1>(), adds_for_heads<2>(),
+                                                            adds_for_heads<3>(), adds_for_heads<4>()};
+
+// acc (mr rows of width w) += p times the fp32 values tile, for mr heads sharing one mask row and its span sp.
+void add_block(Row* rows, int mr, Span sp, const float* tile, int64_t t0, int64_t w, float* acc) {
+  const Keys& keys = *rows[0].keys;
+  const int n = int(sp.i1 - sp.i0);
+  if (n == 0) return;
+  const float* v[kKeyTile];
+  for (int j = 0; j < n; ++j) v[j] = tile + (keys[sp.i0 + j] - t0) * w;
+  const float* p[kHeads];
+  for (int i = 0; i < mr; ++i) p[i] = &rows[i].p[sp.i0];
+  for (int64_t d = 0; d < w;) {
+    const int64_t vecs = w - d >= 64 ? 4 : 1;
+    kAdds[mr - 1][vecs / 4](acc + d, w, v, d, p, n);
+    d += 16 * vecs;
+  }
+}
+
+// Phase 1: scores of keys [s0, s1) for the rows of kv head `head`; keys holds its batch's T mask rows.
+void score_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64_t s0, int64_t s1) {
+  const bf16* kb = a.k + head / a.Hkv * a.ks[0] + head % a.Hkv * a.ks[1];
+  std::vector<float> tile(kKeyTile * a.D);
+  for_key_tiles(keys, a.T, s0, s1, [&](int64_t t0, int64_t t1, const std::vector<Span>& spans) {
+    widen_visible(kb, a.ks[2], keys, spans, t0, t1, a.D, tile.data());
+    for (int64_t t = 0; t < a.T; ++t)
+      for (int64_t g = 0; g < a.G; g += kHeads)
+        score_block(a, &rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], tile.data(), t0);
+  });
+}
+
+// Phase 2: p <- exp(p - max p), sum p.
+void softmax_numerators(Row& row) {
+  const int64_t n = int64_t(row.p.size());
+  row.sum = exp_shifted(row.p.data(), n, max_of(row.p.data(), n));
+}
+
+// Phase 3: output dims [d0, d1) of the rows of kv head `head`; accumulators are private to the call.
+void value_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64_t d0, int64_t d1) {
+  const bf16* vb = a.v + head / a.Hkv * a.vs[0] + head % a.Hkv * a.vs[1] + d0;
+  const int64_t w = d1 - d0, R = a.T * a.G;
+  std::vector<float> tile(kKeyTile * w), acc(R * w, 0.f);
+  for_key_tiles(keys, a.T, 0, a.S, [&](int64_t t0, int64_t t1, const std::vector<Span>& spans) {
+    widen_visible(vb, a.vs[2], keys, spans, t0, t1, w, tile.data());
+    for (int64_t t = 0; t < a.T; ++t)
+      for (int64_t g = 0; g < a.G; g += kHeads)
+        add_block(&rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], tile.data(), t0, w,
+                  &acc[(t * a.G + g) * w]);
+  });
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < w; ++d)
+      rows[r].out[d0 + d] = rows[r].keys->empty() ? bf16(0.f) : bf16(acc[r * w + d] / rows[r].sum);
+}
+
+int64_t round_up(int64_t x, int64_t m) {
+  return std::max<int64_t>(m, (x + m - 1) / m * m);
+}
+
+void visible_keys(const bool* m, int64_t stride, int64_t S, Keys& keys) {
+  keys.resize(S);
+  size_t n = 0;
+  for (int64_t s = 0; s < S; ++s) {  // branch-free: mask rows are long and unpredictable
+    keys[n] = int32_t(s);
+    n += m[s * stride];
+  }
+  keys.resize(n);
+}
+
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& mask_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "decode_attention: 4-d q, k, v expected");
+  TORCH_CHECK(q_in.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
+                  v_in.scalar_type() == at::kBFloat16, "decode_attention: bf16 q, k, v expected");
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool, "decode_attention: bool mask expected");
+  const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), S = k_in.size(2);
+  TORCH_CHECK(k_in.sizes() == v_in.sizes() && k_in.size(0) == B && k_in.size(3) == D,
+              "decode_attention: k, v [B, Hkv, S, D] expected");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: num heads must be a multiple of num kv heads");
+  TORCH_CHECK(D % 16 == 0, "decode_attention: head dim must be a multiple of 16");
+  // Only the innermost stride must be 1: k, v may be [:, :, :S] slices of a larger cache.
+  const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = unit(q_in), k = unit(k_in), v = unit(v_in);
+  const at::Tensor mask = mask_in.expand({B, 1, T, S});
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  const int64_t G = H / Hkv, heads = B * Hkv, R = T * G;
+  const Attn a{k.data_ptr<bf16>(), v.data_ptr<bf16>(), Hkv, T, S, D, G, float(scale), k.strides(), v.strides()};
+
+  std::vector<Keys> keys(B * T);
+  std::vector<float> q32(B * H * T * D);
+  std::vector<Row> rows(heads * R);
+  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      visible_keys(mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2), mask.stride(3), S, keys[bt]);
+      for (int64_t h = 0; h < H; ++h) {
+        Row& row = rows[(b * Hkv + h / G) * R + t * G + h % G];
+        float* q32_row = &q32[((b * H + h) * T + t) * D];
+        widen(q.data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), q32_row, D);
+        row = {q32_row, out.data_ptr<bf16>() + ((b * H + h) * T + t) * D, &keys[bt],
+               std::vector<float>(keys[bt].size()), 0.f};
+      }
+    }
+  });
+  // Every thread gets work even for one kv head: phase 1 splits its keys, phase 3 its head dims. A split only
+  // decides which thread computes an element, never how.
+  const int64_t split = (at::get_num_threads() + heads - 1) / std::max<int64_t>(heads, 1);
+  const int64_t key_chunk = round_up((S + split - 1) / split, kKeyTile), key_chunks = (S + key_chunk - 1) / key_chunk;
+  const int64_t dim_chunk = round_up((D + split - 1) / split, 32), dim_chunks = (D + dim_chunk - 1) / dim_chunk;
+  at::parallel_for(0, heads * key_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t head = i / key_chunks, s0 = i % key_chunks * key_chunk;
+      score_range(a, head, &rows[head * R], &keys[head / Hkv * T], s0, std::min(S, s0 + key_chunk));
+    }
+  });
+  at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) softmax_numerators(rows[i]);
+  });
+  at::parallel_for(0, heads * dim_chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t head = i / dim_chunks, d0 = i % dim_chunks * dim_chunk;
+      value_range(a, head, &rows[head * R], &keys[head / Hkv * T], d0, std::min(D, d0 + dim_chunk));
+    }
+  });
+  return out;
+}
+
+// RMSNorm of each row of a bf16 [rows, D] tensor, in fp32 with a sequential sum (one fixed order per row).
+// gemma: bf16((x * r) * w) with w = 1 + weight precomputed in fp32; llama: bf16(w * bf16(x * r)), as HF rounds.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "rms_norm: weight must be fp32");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  TORCH_CHECK(weight.numel() == D, "rms_norm: weight size must match the last dimension");
+  at::Tensor out = at::empty_like(x);
+  const bf16* src = x.data_ptr<bf16>();
+  const float* w = weight.data_ptr<float>();
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* row = src + r * D;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float v = static_cast<float>(row[i]);
+        sum += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+      bf16* o = dst + r * D;
+      for (int64_t i = 0; i < D; ++i) {
+        const float normed = static_cast<float>(row[i]) * inv;
+        o[i] = gemma ? bf16(normed * w[i]) : bf16(w[i] * static_cast<float>(bf16(normed)));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "row-wise RMSNorm of bf16 rows (fp32 math, fixed order)", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::arg("gemma"), py::call_guard<py::gil_scoped_release>());
+  m.def("small_linear", &small_linear, "row-invariant bf16 x @ weight.T (+ bias)", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("out_fp32"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention, "row-invariant masked attention (bf16)", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("mask"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("variant", [] {
+    std::string linear = kDotPath;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+    if (amx_permitted()) linear = "amx_bf16";
+#endif
+#ifdef __AVX512F__
+    return "small_linear: " + linear + ", decode_attention: avx512f";
+#else
+    return "small_linear: " + linear + ", decode_attention: scalar";
+#endif
+  });
+}

@@ -1,0 +1,273 @@
+"""The decoding loop for one request: prefill, then draft -> verify in one target forward -> commit, until a stop.
+
+With no method (or max_draft_len 0) every step verifies an empty draft, which is plain autoregressive decoding
+through the very same code path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import GenerationResult, RequestMetrics
+from specserve.models.kv_cache import KVCache
+from specserve.models.loader import LoadedModel
+from specserve.spec.proposers import Proposal, SpecMethod
+from specserve.spec.sampling import SamplingParams
+from specserve.spec.tree import verify_tree
+from specserve.spec.verify import verify
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad parameters, prompt too long): the caller's mistake, not a crash."""
+
+
+@dataclass
+class StreamEvent:
+    text: str  # new text since the previous event
+    token_ids: list[int]  # new token ids since the previous event
+    result: GenerationResult | None = None  # set on the last event
+
+
+class StopChecker:
+    """Applies EOS / stop ids / max_tokens per token and stop strings on the decoded text."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+        self.output: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    def add(self, tokens: list[int]) -> None:
+        """Append emitted tokens until one of them ends the request. The text never includes a stop token or a
+        stop string (as vLLM and OpenAI do); the token ids include the token that stopped it."""
+        for token in tokens:
+            self.output.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = "stop"
+                self.text = self._decode(self.output[:-1])
+                return
+            if self.params.stop and self._hit_stop_string():
+                self.finish_reason = "stop"
+                return
+            if len(self.output) >= self.params.max_tokens:
+                self.finish_reason = "length"
+                break
+        self.text = self._decode(self.output)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _hit_stop_string(self) -> bool:
+        text = self._decode(self.output)
+        for stop in self.params.stop:
+            index = text.find(stop, max(0, len(self.text) - len(stop)))
+            if index >= 0:
+                self.text = text[:index]
+                return True
+        self.text = text
+        return False
+
+    def stable_text_length(self) -> int:
+        """How much of the text can be streamed: hold back a partial UTF-8 character or a partial stop string."""
+        text = self.text
+        end = len(text.rstrip("\ufffd")) if self.finish_reason is None else len(text)
+        if self.finish_reason is None:
+            for stop in self.params.stop:
+                for k in range(min(len(stop) - 1, end), 0, -1):
+                    if text[:end].endswith(stop[:k]):
+                        end -= k
+                        break
+        return end
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, method: SpecMethod | None = None, max_draft_len: int = 0,
+                 max_model_len: int | None = None):
+        self.target = target
+        self.model = target.model
+        self.tokenizer = target.tokenizer
+        self.method = method
+        self.max_draft_len = max_draft_len if method is not None else 0
+        # KV slots a verify step may use beyond the committed tokens (a tree needs all its nodes)
+        self.draft_slots = method.draft_slots(self.max_draft_len) if self.max_draft_len else 1
+        self.needs_hidden = bool(self.max_draft_len) and method.needs_hidden_states
+        self.hidden_layers = method.hidden_layers if self.needs_hidden else ()
+        self.max_model_len = max_model_len or target.max_model_len
+        self.eos_ids = target.eos_token_ids
+
+    @property
+    def lossless(self) -> bool:
+        """False only with Medusa's opt-in typical acceptance (sampling no longer follows the target exactly)."""
+        return self.method is None or self.method.typical is None
+
+    @property
+    def method_name(self) -> str:
+        return self.method.name if self.method is not None and self.max_draft_len > 0 else "ar"
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise RequestError("prompt must be a non-empty string")
+        return self.tokenizer(prompt).input_ids
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} tokens")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens")
+
+    def generate(self, prompt: str | list[int], params: SamplingParams) -> GenerationResult:
+        for event in self.stream(prompt, params):
+            if event.result is not None:
+                return event.result
+        raise RuntimeError("stream ended without a result")
+
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams, capacity: int) -> "Sequence":
+        """Validate a request and set up its decoding state (RequestError for bad input)."""
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_request(prompt_ids, params)
+        generator = params.make_generator()
+        proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
+        seq = Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids))
+        seq.typical = self.method.typical if proposer is not None else None
+        return seq
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        capacity = len(prompt_ids) + params.max_tokens + self.draft_slots
+        seq = self.new_sequence(prompt_ids, params, capacity)
+        cache = KVCache.for_model(self.model, 1, capacity)
+        while not seq.finished:
+            seq.draft(self.max_draft_len)
+            event = self.forward(cache, [seq])[0]
+            if event is not None:
+                yield event
+
+    def forward(self, cache: KVCache, seqs: list["Sequence | None"]) -> list[StreamEvent | None]:
+        """One target forward for rows 0..len(seqs)-1 of `cache` (None: an idle row, fed a dummy token): each
+        sequence's uncached tokens + its draft; then verification and commit. Returns each row's event."""
+        feeds, starts, num_rows = [], [], []
+        for row, seq in enumerate(seqs):
+            start = int(cache.lengths[row])
+            feeds.append(seq.feed(start) if seq else [0])
+            starts.append(start)
+            num_rows.append(len(seq.proposal.tokens) + 1 if seq else 1)
+        width, rows_out = max(map(len, feeds)), max(num_rows)
+        tokens = torch.tensor([feed + [0] * (width - len(feed)) for feed in feeds])
+        slots = torch.tensor(starts)[:, None] + torch.arange(width)[None]
+        positions, tree_mask = slots.clone(), None
+        for row, seq in enumerate(seqs):
+            tree = seq.proposal.tree if seq else None
+            if tree is not None:  # the tree's nodes sit at consecutive slots from its root, at depth positions
+                root = len(feeds[row]) - len(tree)
+                positions[row, root: root + len(tree)] = slots[row, root] + tree.depth
+                if tree_mask is None:
+                    tree_mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(seqs), 1, 1)
+                tree_mask[row, root: root + len(tree), root: root + len(tree)] = tree.mask
+        logits_rows = torch.tensor([[max(len(f) - n + i, 0) for i in range(rows_out)]
+                                    for f, n in zip(feeds, num_rows)]).clamp(max=width - 1)
+        out = self.model(tokens, positions, cache, slots, tree_mask=tree_mask, logits_rows=logits_rows,
+                         output_layers=self.hidden_layers)
+        events = []
+        for row, seq in enumerate(seqs):
+            if seq is None:
+                events.append(None)
+                continue
+            root = len(feeds[row]) - num_rows[row]
+            hidden = None
+            if self.needs_hidden:  # the features of every fed row (uncached tokens, root, tree nodes)
+                hidden = torch.cat([out.hidden_states[i][row, : len(feeds[row])] for i in self.hidden_layers], -1)
+            nodes, event = seq.commit(out.logits[row, : num_rows[row]], hidden)
+            base = starts[row] + root  # the root's slot: the accepted nodes move right after it
+            cache.compact(row, base + torch.tensor([0] + nodes), base)
+            cache.lengths[row] = base + 1 + len(nodes)
+            events.append(event)
+        return events
+
+
+class Sequence:
+    """One request's decoding state: committed tokens, the token not yet fed to the target, its proposer and
+    draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator, proposer,
+                 stops: StopChecker):
+        self.params = params
+        self.generator = generator
+        self.proposer = proposer
+        self.stops = stops
+        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
+        self.tokens = prompt_ids[:-1]  # committed; their keys/values are (or will be) in the cache
+        self.pending = [prompt_ids[-1]]  # emitted but not yet fed to the target
+        self.proposal = Proposal([])
+        self.typical = None  # Medusa typical acceptance (threshold, alpha), when opted in
+        self.start = time.perf_counter()
+        self.sent_text = self.sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.stops.finish_reason is not None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.metrics.target_forwards > 0
+
+    def draft(self, max_len: int) -> None:
+        """Propose the next draft. The prefill runs alone, exactly as in plain decoding."""
+        remaining = self.params.max_tokens - len(self.stops.output)
+        max_len = min(max_len, remaining - 1)
+        if self.proposer is None or not self.prefilled or max_len <= 0:
+            self.proposal = Proposal([])
+        else:
+            self.proposal = self.proposer.propose(self.tokens + self.pending, max_len)
+
+    def feed(self, cached: int) -> list[int]:
+        """The tokens the next forward must run: those not yet in the cache, then the draft."""
+        return self.tokens[cached:] + self.pending + self.proposal.tokens
+
+    def commit(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[list[int], StreamEvent | None]:
+        """Verify the draft against the target's logits [k+1, V] (one row per draft node, root first); returns
+        (accepted draft nodes, event or None). `hidden` [fed, F]: the target's features at every fed row (the
+        uncached tokens, the root, then one row per draft node)."""
+        draft, tree = self.proposal.tokens, self.proposal.tree
+        if tree is None:
+            verdict = verify(draft, self.proposal.probs, logits, self.params, self.generator)
+            nodes, emitted = list(range(1, verdict.accepted + 1)), verdict.tokens
+        else:
+            nodes, emitted = verify_tree(tree, None, logits, self.params, self.generator, self.typical)
+        if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
+            root = hidden.shape[0] - logits.shape[0]
+            self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
+        self.metrics.record_step(len(draft), len(nodes), int(tree.depth.max()) if tree is not None else None)
+        self.tokens += self.pending + emitted[:-1]
+        self.pending = emitted[-1:]
+        self.stops.add(emitted)
+        if self.metrics.time_to_first_token_s == 0.0:
+            self.metrics.time_to_first_token_s = time.perf_counter() - self.start
+        return nodes, self._event()
+
+    def _event(self) -> StreamEvent | None:
+        stops = self.stops
+        end = stops.stable_text_length()
+        if not (end > self.sent_text or len(stops.output) > self.sent_tokens or stops.finish_reason):
+            return None
+        event = StreamEvent(stops.text[self.sent_text:end], stops.output[self.sent_tokens:])
+        self.sent_text, self.sent_tokens = end, len(stops.output)
+        if stops.finish_reason is not None:
+            self.metrics.output_tokens = len(stops.output)
+            self.metrics.total_time_s = time.perf_counter() - self.start
+            event.result = GenerationResult(stops.text, stops.output, stops.finish_reason, self.metrics)
+        return event

@@ -1,0 +1,385 @@
+"""A lean decoder-only transformer (gpt-fast style) for the Llama, Qwen2/3, Mistral and Gemma3 families.
+
+Parameter names follow Hugging Face's checkpoints so a state dict loads as is. The forward takes new tokens at
+given positions, writes their keys/values into a static KV cache at given cache slots, and attends under an
+optional tree mask, so the same call serves prefill, plain decoding, chain verification and tree verification.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.models import cpu_kernels
+from specserve.models.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
+# row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
+MAX_KERNEL_TOKENS = 64
+
+
+def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears over the same input; the layers' parameters become views of it,
+    so memory is not doubled and the unfused path computes exactly what it did."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    bias = torch.cat([layer.bias.detach() for layer in layers]) if layers[0].bias is not None else None
+    start = 0
+    for layer in layers:
+        rows = layer.weight.shape[0]
+        layer.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, row_invariant: bool) -> torch.Tensor:
+    if row_invariant:
+        return cpu_kernels.small_linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
+@dataclass
+class ArchSpec:
+    """What differs between the supported families, read once from the HF config."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    gemma: bool = False  # (1 + w) norms, sandwich norms, scaled embeddings, gelu
+    attn_scale: float = 1.0
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ArchSpec":
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        gemma = model_type == "gemma3_text"
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        scale = (config.query_pre_attn_scalar ** -0.5) if gemma else head_dim ** -0.5
+        return cls(
+            model_type=model_type,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            gemma=gemma,
+            attn_scale=scale,
+            layer_types=layer_types,
+            sliding_window=getattr(config, "sliding_window", None),
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            hidden_act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"),
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, with Llama's or Gemma's rounding order (they differ; HF keeps both)."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool):
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self._kernel_weight: tuple[int, torch.Tensor] | None = None  # (weight version, fp32 scale)
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The fp32 scale the kernel applies (Gemma: 1 + w), recomputed only if the weight changed."""
+        version = self.weight._version
+        if self._kernel_weight is None or self._kernel_weight[0] != version:
+            scale = (1.0 + self.weight.float()) if self.gemma else self.weight.float()
+            self._kernel_weight = (version, scale.contiguous())
+        return self._kernel_weight[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_kernels.available():
+            return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps, self.gemma)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeTables:
+    """cos/sin tables per layer type, computed by transformers' own rotary module of the family (so every
+    rope_scaling variant it knows is right), cached per position and grown on demand."""
+
+    def __init__(self, hf_config, dtype: torch.dtype):
+        module_name = "gemma3" if hf_config.model_type == "gemma3_text" else hf_config.model_type
+        modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        rotary_cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding"))
+        with torch.device("cpu"):  # real tables even when the model itself is built on the meta device
+            self.rotary = rotary_cls(hf_config)
+        self.per_layer_type = hf_config.model_type == "gemma3_text"
+        self.dtype = dtype
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.size = 0
+
+    def _build(self, size: int) -> None:
+        probe = torch.zeros(1, dtype=self.dtype, device="cpu")
+        positions = torch.arange(size, device="cpu")[None]
+        for layer_type in ("full_attention", "sliding_attention"):
+            if self.per_layer_type:
+                cos, sin = self.rotary(probe, positions, layer_type)
+            else:
+                cos, sin = self.rotary(probe, positions)
+            self.tables[layer_type] = (cos[0], sin[0])
+        self.size = size
+
+    def lookup(self, positions: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if needed > self.size:
+            self._build(max(needed, 2 * self.size, 256))
+        cos, sin = self.tables[layer_type]
+        return cos[positions], sin[positions]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ArchSpec, layer_idx: int):
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        h, hd = spec.hidden_size, spec.head_dim
+        self.q_proj = nn.Linear(h, spec.num_heads * hd, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(spec.num_heads * hd, h, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
+            self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights for the kernels
+
+    def project(self, x: torch.Tensor, row_invariant: bool):
+        if row_invariant and self.qkv is not None:  # one kernel call instead of three
+            fused = cpu_kernels.small_linear(x, *self.qkv)
+            sizes = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
+            return fused.split(sizes, dim=-1)
+        return tuple(linear(x, proj, row_invariant) for proj in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x, cos, sin, cache: KVCache, slots, mask, row_invariant: bool) -> torch.Tensor:
+        spec = self.spec
+        bsz, seq, _ = x.shape
+        q, k, v = self.project(x, row_invariant)
+        q = q.reshape(bsz, seq, spec.num_heads, spec.head_dim)
+        k = k.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
+        v = v.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write(self.layer_idx, slots, k, v, mask.shape[-1])
+        if row_invariant:
+            out = cpu_kernels.decode_attention(q.contiguous(), keys, values, mask, spec.attn_scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=spec.attn_scale,
+                enable_gqa=spec.num_kv_heads != spec.num_heads,
+            )
+        out = out.transpose(1, 2).reshape(bsz, seq, spec.num_heads * spec.head_dim)
+        return linear(out, self.o_proj, row_invariant)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ArchSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # fused weight for the kernels
+        if spec.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+            self.act = lambda t: F.gelu(t, approximate="tanh")
+        elif spec.hidden_act == "silu":
+            self.act = F.silu
+        else:
+            raise ValueError(f"unsupported activation {spec.hidden_act!r}")
+
+    def forward(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+        if row_invariant and self.gate_up is not None:
+            gate, up = cpu_kernels.small_linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = linear(x, self.gate_proj, row_invariant), linear(x, self.up_proj, row_invariant)
+        return linear(self.act(gate) * up, self.down_proj, row_invariant)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, layer_idx: int):
+        super().__init__()
+        self.gemma = spec.gemma
+        self.layer_type = spec.layer_types[layer_idx]
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma)
+        if spec.gemma:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
+
+    def forward(self, x, cos, sin, cache, slots, mask, row_invariant: bool):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask, row_invariant)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attn)
+            mlp = self.mlp(self.pre_feedforward_layernorm(x), row_invariant)
+            return x + self.post_feedforward_layernorm(mlp)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x), row_invariant)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, T, V] float32
+    hidden_states: dict[int, torch.Tensor]  # layer index -> [B, T, H]; -1 is the final-normed state
+
+
+class Model(nn.Module):
+    """The inner `model.*` of an HF causal LM; wrapped by CausalLM so names match `model.` / `lm_head.`."""
+
+    def __init__(self, spec: ArchSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        torch.set_flush_denormal(True)  # tiny activations as denormals slow CPU matmuls down by ~50x
+        self.hf_config = hf_config
+        self.spec = ArchSpec.from_hf_config(hf_config)
+        self.model = Model(self.spec)
+        if not self.spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        self.rope = RopeTables(hf_config, dtype)
+        self.embed_scale = math.sqrt(self.spec.hidden_size) if self.spec.gemma else None
+        self._kernels_usable: bool | None = None
+        self.vocab_subset: torch.Tensor | None = None  # a draft's vocabulary (see restrict_vocab)
+        self._subset_weight: torch.Tensor | None = None
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """As a draft model only: compute logits for these tokens alone (the rest get -inf). With a large
+        vocabulary the lm_head costs more than a small draft's layers; drafts stay guesses, so verification
+        remains exact (and sampling too: the draft's q is then zero outside the subset)."""
+        if token_ids is None:
+            self.vocab_subset = self._subset_weight = None
+            return
+        self.vocab_subset = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        self._subset_weight = self.lm_head_weight.detach()[self.vocab_subset].contiguous()
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up for the row-invariant kernels (after the weights are loaded)."""
+        if not self.kernels_usable:
+            return
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    @property
+    def kernels_usable(self) -> bool:
+        """Row-invariant kernels exist for bf16 on CPUs with AVX-512; other setups use PyTorch's kernels."""
+        if self._kernels_usable is None:
+            weight = self.lm_head_weight
+            self._kernels_usable = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                                    and cpu_kernels.available())
+        return self._kernels_usable
+
+    def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
+        weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
+        if row_invariant:
+            logits = cpu_kernels.small_linear(hidden, weight, out_fp32=True)
+        else:
+            logits = F.linear(hidden, weight).float()
+        cap = self.spec.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if self.vocab_subset is not None:
+            full = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
+            full[..., self.vocab_subset] = logits
+            logits = full
+        return logits
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        output_layers: tuple[int, ...] = (),
+        logits_rows: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """Run new `tokens` [B, T] at rope `positions` [B, T], stored at cache `slots` [B, T].
+
+        Every token sees the committed cache prefix of its row (slots below `cache.lengths`) and, among the new
+        tokens, what `tree_mask` [B, T, T] allows (causal when None). `output_layers` asks for the residual
+        stream after those layers (-1: the final normed state). `logits_rows` [B, R] picks the rows that need
+        logits, since the lm_head dominates a step of a small model.
+        """
+        masks = cache.attention_masks(positions, slots, tree_mask, self.spec.sliding_window)
+        row_invariant = tokens.shape[1] <= MAX_KERNEL_TOKENS and self.kernels_usable
+        rope = {kind: self.rope.lookup(positions, kind) for kind in masks}
+        x = self.embed(tokens)
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = rope[layer.layer_type]
+            x = layer(x, cos, sin, cache, slots, masks[layer.layer_type], row_invariant)
+            if i in output_layers:
+                hidden[i] = x
+        x = self.model.norm(x)
+        if -1 in output_layers:
+            hidden[-1] = x
+        if logits_rows is not None:
+            x = torch.gather(x, 1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
+        return ForwardOutput(self.logits(x, row_invariant), hidden)

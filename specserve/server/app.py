@@ -1,0 +1,191 @@
+"""The HTTP app (Triton v2 + OpenAI on one port), the metrics app, and running both with uvicorn.
+
+    repo = build_repository(model_repository=None, model=None)    # the default model under the seeds' names
+    repo.load_all()
+    server = SpecServer(repo, host="127.0.0.1", http_port=8000, metrics_port=8002)
+    server.run()                                                   # or .start() / .stop() in a background thread
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from specserve.config import ConfigError, DeploymentConfig, load_model_yaml
+from specserve.models.loader import DEFAULT_MODEL
+from specserve.server import openai_api, triton
+from specserve.server.http import ServerContext, json_response
+from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.server.repository import (DEFAULT_MAX_QUEUE_SIZE, LLMAPI, VLLM, ModelRepository, default_name,
+                                         load_model_json, single_model_sources)
+
+log = logging.getLogger("specserve.server")
+
+
+def default_config() -> DeploymentConfig:
+    """`specserve serve` with no model: the embedded default with n-gram speculation, streaming allowed."""
+    return DeploymentConfig(model=DEFAULT_MODEL, method="ngram", max_draft_len=4, decoupled=True, max_batch_size=0)
+
+
+def build_repository(model_repository: str | Path | None = None, model: str | None = None,
+                     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, engine_factory=None) -> ModelRepository:
+    """The models `specserve serve` serves: a Triton model repository, one model (a checkpoint, a .gguf, a
+    model.yaml or a vLLM model.json), or the embedded default. Raises ConfigError."""
+    if model_repository and model:
+        raise ConfigError("give either --model-repository or --model, not both")
+    if model_repository:
+        return ModelRepository.from_directory(Path(model_repository), max_queue_size=max_queue_size,
+                                              engine_factory=engine_factory)
+    kind, name = LLMAPI, None
+    if model is None:
+        config = default_config()
+    elif model.endswith((".yaml", ".yml")):
+        config = load_model_yaml(Path(model))
+        name = _triton_layout_name(Path(model))
+    elif model.endswith(".json"):
+        config, kind = load_model_json(Path(model)), VLLM
+        name = _triton_layout_name(Path(model))
+    else:
+        config = default_config()
+        config.model = model
+    sources = single_model_sources(config, kind=kind, name=name or default_name(config.model),
+                                   max_queue_size=max_queue_size)
+    return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size)
+
+
+def _triton_layout_name(path: Path) -> str | None:
+    """<repo>/<name>/<version>/model.yaml -> <name>."""
+    path = path.resolve()
+    return path.parent.parent.name if path.parent.name.isdigit() else None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if request.url.path.startswith("/v1"):
+        return openai_api.error_response(exc.detail, exc.status_code)
+    return json_response({"error": exc.detail}, exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    if request.url.path.startswith("/v1"):
+        return openai_api.error_response(f"internal error: {exc}", 500)
+    return json_response({"error": f"internal error: {exc}"}, 500)
+
+
+def create_app(ctx: ServerContext) -> Starlette:
+    ctx.metrics.runner_source = lambda: [(m.name, m.deployment.runner) for m in ctx.repository.ready_models()
+                                         if m.deployment is not None]
+
+    async def metrics(request: Request) -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    routes = triton.routes() + openai_api.routes() + [Route("/metrics", metrics, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.ctx = ctx
+    return app
+
+
+def create_metrics_app(metrics: ServerMetrics) -> Starlette:
+    async def endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return Starlette(routes=[Route("/metrics", endpoint, methods=["GET"])],
+                     exception_handlers={HTTPException: _http_error})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it every response on a
+    # kept-alive connection waited ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class SpecServer:
+    """Both listeners (HTTP and metrics) in one event loop; `run()` blocks, `start()` runs it in a thread."""
+
+    def __init__(self, repository: ModelRepository, host: str = "127.0.0.1", http_port: int = 8000,
+                 metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning"):
+        self.metrics = metrics or ServerMetrics()
+        self.repository = repository
+        self.ctx = ServerContext(repository, self.metrics)
+        for model in repository.ready_models():
+            self.metrics.register_model(model.name, model.version, model.deployment.load_seconds)
+        repository.on_load = lambda m: self.metrics.register_model(m.name, m.version, m.deployment.load_seconds)
+        self.host = host
+        self.app = create_app(self.ctx)
+        self.metrics_app = create_metrics_app(self.metrics)
+        self._socks = [bind(host, http_port)]
+        if metrics_port is not None:
+            self._socks.append(bind(host, metrics_port))
+        self.http_port = self._socks[0].getsockname()[1]
+        self.metrics_port = self._socks[1].getsockname()[1] if metrics_port is not None else None
+        self._servers = [uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
+                                                       timeout_graceful_shutdown=3, lifespan="off"))
+                         for app in [self.app, self.metrics_app][:len(self._socks)]]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else None
+
+    async def serve(self) -> None:
+        tasks = [asyncio.ensure_future(s.serve(sockets=[sock])) for s, sock in zip(self._servers, self._socks)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # one stops (signal, error): all stop
+            for server in self._servers:
+                server.should_exit = True
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    raise result
+        finally:
+            self.ctx.ready = False
+            self.repository.close()
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    def start(self, timeout: float = 30.0) -> SpecServer:
+        self._thread = threading.Thread(target=self.run, name="specserve-http", daemon=True)
+        self._thread.start()
+        ready = threading.Event()
+
+        def started() -> bool:
+            return all(s.started for s in self._servers)
+
+        for _ in range(int(timeout / 0.02)):
+            if started() or not self._thread.is_alive():
+                break
+            ready.wait(0.02)
+        if not started():
+            raise RuntimeError("the server did not start")
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)

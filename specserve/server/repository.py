@@ -1,0 +1,483 @@
+"""The model repository: Triton's layout, model.yaml (TRT-LLM LLM API) and model.json (vLLM backend) configs,
+loading / unloading, and the names models are served under.
+
+    <repo>/<name>/config.pbtxt          optional: backend / platform / max_batch_size / decoupled / max_queue_size
+    <repo>/<name>/<version>/model.yaml  TRT-LLM LLM-API form (specserve.config.load_model_yaml)
+    <repo>/<name>/<version>/model.json  vLLM backend form (flat pre-0.8 keys or speculative_config)
+
+Each served name has a *kind* that decides its request/response conventions: `llmapi` (TRT-LLM LLM-API model
+`tensorrt_llm`), `vllm` (vLLM backend) or `ensemble` (the legacy inflight_batcher_llm ensemble).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from specserve.config import (ConfigError, DeploymentConfig, build_engine, check_keys, int_at_least, load_model_yaml,
+                              method_name, resolve_path)
+from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
+from specserve.server.runner import DEFAULT_MAX_ACTIVE, Runner
+
+log = logging.getLogger("specserve.server")
+
+LLMAPI, VLLM, ENSEMBLE = "llmapi", "vllm", "ensemble"
+KINDS = (LLMAPI, VLLM, ENSEMBLE)
+# The names the seeds' curl lines use, served by `specserve serve` without a repository (one engine behind all)
+DEFAULT_ALIASES = {"tensorrt_llm": LLMAPI, "ensemble": ENSEMBLE, "vllm_model": VLLM, "eagle_model": VLLM}
+DEFAULT_MAX_QUEUE_SIZE = 64
+
+
+class RepositoryError(Exception):
+    status = 400
+
+
+class ModelNotFoundError(RepositoryError):
+    status = 404
+
+
+class ModelNotReadyError(RepositoryError):
+    status = 503
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# config files
+
+
+def parse_pbtxt(text: str) -> dict:
+    """The few config.pbtxt fields specserve uses (a regex read of the protobuf text format, not a full parser)."""
+    out: dict = {}
+    for key in ("backend", "platform", "name"):
+        match = re.search(rf'^\s*{key}\s*:\s*"([^"]*)"', text, re.M)
+        if match:
+            out[key] = match.group(1)
+    match = re.search(r"^\s*max_batch_size\s*:\s*(-?\d+)", text, re.M)
+    if match:
+        out["max_batch_size"] = int(match.group(1))
+    match = re.search(r"\bdecoupled\s*:\s*(true|false|True|False|1|0)\b", text)
+    if match:
+        out["decoupled"] = match.group(1).lower() in ("true", "1")
+    match = re.search(r"\bmax_queue_size\s*:\s*(\d+)", text)
+    if match:
+        out["max_queue_size"] = int(match.group(1))
+    return out
+
+
+# vLLM AsyncEngineArgs keys that change nothing here (GPU memory, logging, scheduling knobs)
+VLLM_HARMLESS_KEYS = {
+    "gpu_memory_utilization", "disable_log_requests", "enable_log_requests", "disable_log_stats", "enforce_eager",
+    "trust_remote_code", "max_num_seqs", "max_num_batched_tokens", "swap_space", "block_size",
+    "enable_prefix_caching", "enable_chunked_prefill", "seed", "tokenizer_mode", "revision", "tokenizer_revision",
+    "download_dir", "load_format", "distributed_executor_backend", "disable_custom_all_reduce", "max_logprobs",
+    "max_seq_len_to_capture", "cpu_offload_gb", "served_model_name", "preemption_mode", "num_scheduler_steps",
+    "compilation_config", "worker_use_ray", "engine_use_ray", "use_v2_block_manager", "kv_cache_dtype",
+    "disable_sliding_window", "skip_tokenizer_init", "device", "max_parallel_loading_workers",
+    "speculative_draft_tensor_parallel_size", "speculative_disable_by_batch_size", "speculative_max_model_len",
+    "speculative_disable_mqa_scorer", "spec_decoding_acceptance_method", "tokenizer",
+}
+VLLM_KEYS = VLLM_HARMLESS_KEYS | {
+    "model", "dtype", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
+    "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min", "speculative_config",
+}
+VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                  "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "acceptance_method",
+                  "disable_mqa_scorer", "disable_padded_drafter_batch"}
+UNSUPPORTED_SPEC_METHODS = {"mlp_speculator", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "suffix"}
+VLLM_METHODS = {"eagle": "eagle2", "eagle3": "eagle3", "medusa": "medusa"}  # vLLM's EAGLE drafts a dynamic tree here
+
+
+def detect_head_kind(directory: str) -> str | None:
+    """"eagle" / "eagle3" when the directory holds an EAGLE head, else None."""
+    from specserve.spec.eagle import detect_kind, read_state
+
+    path = Path(directory)
+    if not (path / "config.json").exists():
+        return None
+    try:
+        return detect_kind(read_state(path))
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def _vllm_method(method: str | None, draft: str | None, where: str) -> str:
+    if method is None:
+        if draft is None:
+            return "ar"
+        return "ngram" if draft.strip().lower() in ("[ngram]", "ngram") else "draft_target"
+    key = str(method).strip().lower()
+    if key in UNSUPPORTED_SPEC_METHODS:
+        raise ConfigError(f"{where}: speculative method {method!r} is not supported; use ngram, draft_model, "
+                          "eagle, eagle3 or medusa")
+    return VLLM_METHODS.get(key) or method_name(key)
+
+
+def load_model_json(path: Path) -> DeploymentConfig:
+    """A vLLM backend model.json (AsyncEngineArgs) -> DeploymentConfig. Unknown keys are an error naming the key."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict) or "model" not in data:
+        raise ConfigError(f"{path} must be a JSON object with a 'model' key")
+    check_keys(data, VLLM_KEYS, str(path))
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "speculative_draft_tensor_parallel_size"):
+        if data.get(key, 1) != 1:
+            raise ConfigError(f"{key}={data[key]!r} is not supported: specserve runs on one device")
+    base = Path(path).parent
+    dtype = data.get("dtype")
+    config = DeploymentConfig(model=resolve_path(str(data["model"]), base),
+                              dtype=None if dtype in (None, "auto") else str(dtype),
+                              max_model_len=data.get("max_model_len"), decoupled=True, max_batch_size=0)
+    if config.max_model_len is not None:
+        int_at_least(config.max_model_len, "max_model_len", 2)
+    spec = data.get("speculative_config")
+    if spec is not None:
+        if not isinstance(spec, dict):
+            raise ConfigError(f"speculative_config in {path} must be an object")
+        for flat in ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
+                     "ngram_prompt_lookup_min"):
+            if flat in data:
+                raise ConfigError(f"{path}: give either speculative_config or the flat key {flat!r}, not both")
+        check_keys(spec, VLLM_SPEC_KEYS, "speculative_config")
+        if spec.get("draft_tensor_parallel_size", 1) != 1:
+            raise ConfigError("draft_tensor_parallel_size must be 1: specserve runs on one device")
+        draft = spec.get("model")
+        method = _vllm_method(spec.get("method"), draft, "speculative_config")
+        tokens = spec.get("num_speculative_tokens")
+        lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        tokens_key = "speculative_config.num_speculative_tokens"
+    else:
+        draft = data.get("speculative_model")
+        method = _vllm_method(None, draft, str(path))
+        tokens = data.get("num_speculative_tokens")
+        lookup_max, lookup_min = data.get("ngram_prompt_lookup_max"), data.get("ngram_prompt_lookup_min")
+        tokens_key = "num_speculative_tokens"
+    if method == "ar":
+        return config
+    if tokens is None:
+        raise ConfigError(f"{path}: {tokens_key} is required with speculative decoding")
+    config.method = method
+    config.max_draft_len = int_at_least(tokens, tokens_key, 1)
+    if method in ("draft_target", "eagle2", "eagle3", "medusa"):
+        if not draft:
+            raise ConfigError(f"{path}: the {method} method needs the draft model's or head's path ('model')")
+        config.speculative_model = resolve_path(str(draft), base)
+        if method == "draft_target":  # older vLLM names an EAGLE head as the draft model: use it as one
+            kind = detect_head_kind(config.speculative_model)
+            config.method = {"eagle": "eagle2", "eagle3": "eagle3"}.get(kind, method)
+    if lookup_max is not None:
+        config.prompt_lookup_max = int_at_least(lookup_max, "prompt_lookup_max", 1)
+    if lookup_min is not None:
+        config.prompt_lookup_min = int_at_least(lookup_min, "prompt_lookup_min", 1)
+    return config
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# what is served
+
+
+@dataclass
+class ModelSource:
+    """How to build one served name (rebuilt from the repository on every explicit load)."""
+
+    name: str
+    kind: str = LLMAPI
+    config: DeploymentConfig | None = None  # None: not servable, see error
+    version: str = "1"
+    versions: tuple[str, ...] = ("1",)
+    path: Path | None = None
+    decoupled: bool = False
+    max_batch_size: int = 0
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
+    error: str | None = None
+    broken: bool = False  # True: it has a model file, but the file is wrong (a load error, not a skip)
+    group: str = ""  # names with the same group share one engine when loaded together
+
+    @property
+    def platform(self) -> str:
+        return {LLMAPI: "python", VLLM: "vllm", ENSEMBLE: "ensemble"}[self.kind]
+
+    @property
+    def backend(self) -> str:
+        return {LLMAPI: "python", VLLM: "vllm", ENSEMBLE: ""}[self.kind]
+
+
+def read_model_dir(model_dir: Path, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE) -> ModelSource:
+    """One repository entry -> ModelSource (config errors raise ConfigError; a directory without a model.yaml or
+    model.json, such as the legacy preprocessing/postprocessing models, gives a source with .error set)."""
+    name = model_dir.name
+    pbtxt = {}
+    if (model_dir / "config.pbtxt").is_file():
+        pbtxt = parse_pbtxt((model_dir / "config.pbtxt").read_text(errors="replace"))
+    versions = sorted((p.name for p in model_dir.iterdir()
+                       if p.is_dir() and p.name.isdigit()
+                       and ((p / "model.yaml").is_file() or (p / "model.json").is_file())), key=int)
+    source = ModelSource(name=name, path=model_dir, group=name,
+                         max_queue_size=pbtxt.get("max_queue_size", max_queue_size))
+    if not versions:
+        source.error = f"no <version>/model.yaml or <version>/model.json in {model_dir}"
+        return source
+    source.versions = tuple(versions)
+    source.version = versions[-1]
+    version_dir = model_dir / source.version
+    if (version_dir / "model.json").is_file():
+        source.kind = VLLM
+        source.config = load_model_json(version_dir / "model.json")
+        source.decoupled, source.max_batch_size = True, 0  # the vLLM backend's auto-complete forces these
+        return source
+    source.config = load_model_yaml(version_dir / "model.yaml")
+    if pbtxt.get("backend") == "vllm":
+        source.kind = VLLM
+    elif pbtxt.get("platform") == "ensemble" or (name == "ensemble" and "backend" not in pbtxt):
+        source.kind = ENSEMBLE
+    source.decoupled = pbtxt.get("decoupled", source.config.decoupled)
+    source.max_batch_size = pbtxt.get("max_batch_size", source.config.max_batch_size)
+    return source
+
+
+def default_name(model: str) -> str:
+    """The name a model is known by (OpenAI's `model`): the checkpoint directory / file stem."""
+    if model in ("", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.stem if path.suffix in (".gguf", ".bin", ".yaml", ".yml", ".json") else path.name or model
+
+
+def single_model_sources(config: DeploymentConfig, kind: str = LLMAPI, name: str | None = None,
+                         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+                         aliases: dict[str, str] | None = None) -> list[ModelSource]:
+    """One engine served under its own name (of `kind`) plus the seeds' names (tensorrt_llm, ensemble, ...)."""
+    name = name or default_name(config.model)
+    names = {name: kind}
+    for alias, alias_kind in (DEFAULT_ALIASES if aliases is None else aliases).items():
+        names.setdefault(alias, alias_kind)
+    return [ModelSource(name=n, kind=k, config=config, decoupled=config.decoupled,
+                        max_batch_size=0 if k == VLLM else config.max_batch_size, max_queue_size=max_queue_size,
+                        group="default") for n, k in names.items()]
+
+
+class Deployment:
+    """One engine and its runner; shared by the names of one group."""
+
+    def __init__(self, config: DeploymentConfig, engine, runner: Runner, load_seconds: float):
+        self.config = config
+        self.engine = engine
+        self.runner = runner
+        self.load_seconds = load_seconds
+
+
+@dataclass
+class ServedModel:
+    source: ModelSource
+    state: str = "UNAVAILABLE"  # READY | UNAVAILABLE | LOADING | UNLOADING
+    reason: str = ""
+    deployment: Deployment | None = None
+    ever_loaded: bool = False
+    aliases: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def version(self) -> str:
+        return self.source.version
+
+    @property
+    def kind(self) -> str:
+        return self.source.kind
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY" and self.deployment is not None
+
+    @property
+    def runner(self) -> Runner:
+        return self.deployment.runner
+
+    @property
+    def engine(self):
+        return self.deployment.engine
+
+
+def _default_engine_factory(config: DeploymentConfig, target):
+    return build_engine(config, target)
+
+
+class ModelRepository:
+    """The served names, their states, and load / unload. Loading is synchronous (call it from a thread)."""
+
+    def __init__(self, sources: list[ModelSource], root: Path | None = None,
+                 engine_factory: Callable | None = None, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+                 on_load: Callable[[ServedModel], None] | None = None):
+        self.root = Path(root) if root else None
+        self.models: dict[str, ServedModel] = {s.name: ServedModel(s) for s in sources}
+        self.engine_factory = engine_factory or _default_engine_factory
+        self.max_queue_size = max_queue_size
+        self.on_load = on_load
+        self._lock = threading.RLock()
+        self._targets: dict[tuple, object] = {}
+        self._step_locks: dict[tuple, threading.Lock] = {}
+
+    # ---- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_directory(cls, root: Path, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, **kwargs) -> ModelRepository:
+        root = Path(root)
+        if not root.is_dir():
+            raise ConfigError(f"model repository {root} is not a directory")
+        repo = cls([], root=root, max_queue_size=max_queue_size, **kwargs)
+        for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            repo.models[model_dir.name] = ServedModel(repo._read(model_dir.name))
+        return repo
+
+    def _read(self, name: str) -> ModelSource:
+        """Read (or re-read) a repository entry; a config error becomes the source's error."""
+        model_dir = self.root / name
+        try:
+            return read_model_dir(model_dir, self.max_queue_size)
+        except (ConfigError, OSError) as exc:
+            return ModelSource(name=name, path=model_dir, group=name, error=str(exc), config=None, broken=True)
+
+    # ---- lookups ------------------------------------------------------------------------------------------------
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        """The ready model for a request, or ModelNotFoundError (404) / ModelNotReadyError (503)."""
+        with self._lock:
+            model = self.models.get(name)
+        if version in (None, ""):
+            if model is None or not model.ready:
+                raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
+            return model
+        if model is not None and version == model.version and model.ready:
+            return model
+        if model is not None and version in model.source.versions:
+            raise ModelNotReadyError(f"Request for unknown model: '{name}' version {version} is not at ready state")
+        raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+
+    def ready_models(self) -> list[ServedModel]:
+        with self._lock:
+            return [m for m in self.models.values() if m.ready]
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        out = []
+        with self._lock:
+            for model in self.models.values():
+                if ready_only and not model.ready:
+                    continue
+                entry = {"name": model.name}
+                if model.ever_loaded or model.state != "UNAVAILABLE":
+                    entry.update(version=model.version, state=model.state)
+                    if model.reason:
+                        entry["reason"] = model.reason
+                out.append(entry)
+        return out
+
+    # ---- load / unload ------------------------------------------------------------------------------------------
+    def load_all(self, names: list[str] | None = None) -> dict[str, str]:
+        """Load every servable model (or the given names); returns {name: error} for the failures."""
+        errors = {}
+        for name in list(self.models) if names is None else names:
+            source = self.models[name].source
+            if names is None and source.config is None and not source.broken:
+                log.warning("skipping %s: %s", name, source.error)
+                continue
+            try:
+                self.load(name)
+            except RepositoryError as exc:
+                errors[name] = str(exc)
+        return errors
+
+    def load(self, name: str, overrides: dict | None = None) -> ServedModel:
+        with self._lock:
+            model = self.models.get(name)
+            if self.root is not None and (self.root / name).is_dir():
+                source = self._read(name)
+            elif model is not None:
+                source = model.source
+            else:
+                raise RepositoryError(f"failed to load '{name}', failed to poll from model repository")
+            if source.config is None:
+                if model is not None:
+                    model.source, model.state, model.reason = source, "UNAVAILABLE", source.error or ""
+                raise RepositoryError(f"failed to load '{name}': {source.error}")
+            if overrides:
+                source = replace(source, decoupled=overrides.get("decoupled", source.decoupled),
+                                 max_batch_size=overrides.get("max_batch_size", source.max_batch_size))
+            if model is None:
+                model = self.models[name] = ServedModel(source)
+            if model.ready and model.source == source:
+                return model  # already loaded with this config
+            old = model.deployment if model.ready else None
+            model.source, model.state, model.reason = source, "LOADING", ""
+            shared = next((m.deployment for m in self.models.values()
+                           if m is not model and m.ready and m.source.group == source.group
+                           and m.deployment.config == source.config), None)
+        try:
+            deployment = shared or self._build(source)
+        except (ConfigError, ModelLoadError, OSError, ValueError, RuntimeError) as exc:
+            with self._lock:
+                model.state, model.reason = "UNAVAILABLE", str(exc)
+            raise RepositoryError(f"failed to load '{name}': {exc}") from exc
+        with self._lock:
+            model.deployment, model.state, model.ever_loaded = deployment, "READY", True
+        if old is not None and old is not deployment:
+            self._release(old)
+        log.info("loaded %s (%s, method %s)", name, source.kind, deployment.engine.method_name)
+        if not getattr(deployment.engine, "lossless", True):
+            log.warning("%s: Medusa typical acceptance is on: sampled outputs are NOT distributed as the target's "
+                        "(greedy stays exact)", name)
+        if self.on_load:
+            self.on_load(model)
+        return model
+
+    def _build(self, source: ModelSource) -> Deployment:
+        start = time.perf_counter()
+        config = source.config
+        key = (config.model, config.dtype)
+        with self._lock:
+            target = self._targets.get(key)
+            step_lock = self._step_locks.setdefault(key, threading.Lock())
+        if target is None:
+            target = load_model(config.model, dtype=config.dtype)
+            with self._lock:
+                self._targets[key] = target
+        engine = self.engine_factory(config, target)
+        runner = Runner(engine, source.max_queue_size, name=source.name, step_lock=step_lock,
+                        max_active=source.max_batch_size or DEFAULT_MAX_ACTIVE,
+                        adaptive_draft=config.adaptive_draft_len)
+        return Deployment(config, engine, runner, time.perf_counter() - start)
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            model = self.models.get(name)
+            if model is None:
+                raise RepositoryError(f"failed to unload '{name}', no version is available")
+            deployment, model.deployment = model.deployment, None
+            model.state, model.reason = "UNAVAILABLE", "unloaded"
+        if deployment is not None:
+            self._release(deployment)
+
+    def _release(self, deployment: Deployment) -> None:
+        """Close a deployment's runner once no ready name uses it (in-flight requests finish first)."""
+        with self._lock:
+            if any(m.deployment is deployment for m in self.models.values()):
+                return
+            live = {(m.deployment.config.model, m.deployment.config.dtype)
+                    for m in self.models.values() if m.deployment is not None}
+            for key in list(self._targets):
+                if key not in live:
+                    del self._targets[key]
+        threading.Thread(target=deployment.runner.close, name="unload", daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            deployments = {id(m.deployment): m.deployment for m in self.models.values() if m.deployment}
+            for model in self.models.values():
+                model.deployment, model.state = None, "UNAVAILABLE"
+        for deployment in deployments.values():
+            deployment.runner.close(cancel_running=True, timeout=5.0)

@@ -1,0 +1,330 @@
+"""The asyncio-facing side of one Engine: a FIFO queue and a worker thread that runs requests.
+
+    handle = await runner.submit(prompt, params)   # RequestError / QueueFullError / RunnerClosedError here
+    try:
+        async for event in handle:                 # StreamEvent; the last one has .result
+            ...
+    finally:
+        handle.cancel()                            # no-op once finished; stops a running request at its next step
+
+The interface is all the HTTP layer uses: `submit`, the handle (async iterator + `cancel()` + `timing`), `stats()`
+and `close()`. Today one request runs at a time (serial FIFO); continuous batching can replace the worker without
+touching the callers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.engine.batch import BatchEngine, StreamBatch
+from specserve.engine.engine import Engine, RequestError, StreamEvent
+from specserve.spec.sampling import SamplingParams
+
+log = logging.getLogger("specserve.server")
+
+_END = object()
+
+
+class RunnerError(RuntimeError):
+    """A request the runner could not run; `status` is the HTTP status it maps to."""
+
+    status = 500
+
+
+class QueueFullError(RunnerError):
+    status = 503
+
+
+class RunnerClosedError(RunnerError):
+    status = 503
+
+
+class RequestCancelledError(RunnerError):
+    status = 400  # Triton maps CANCELLED to 400
+
+
+@dataclass
+class RequestTiming:
+    """perf_counter() seconds (durations) and time.time_ns() wall-clock stamps (the perf-metric outputs)."""
+
+    submitted: float = 0.0
+    started: float | None = None
+    first_event: float | None = None
+    finished: float | None = None
+    arrival_ns: int = 0
+    started_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started or self.finished or time.perf_counter()) - self.submitted
+
+    @property
+    def compute_s(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.perf_counter()) - self.started
+
+    @property
+    def total_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.submitted
+
+
+class RequestHandle:
+    """One submitted request: an async iterator of StreamEvents (the last has `.result`)."""
+
+    def __init__(self, runner: Runner, request_id: int, prompt_ids: list[int], params: SamplingParams,
+                 loop: asyncio.AbstractEventLoop):
+        self.runner = runner
+        self.id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.timing = RequestTiming(submitted=time.perf_counter(), arrival_ns=time.time_ns())
+        self.state = "queued"  # queued | running | finished | failed | cancelled
+        self.result = None  # GenerationResult once finished
+        self.error: BaseException | None = None
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+        self._done = False
+        self.sequence = None  # the engine's Sequence once admitted
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Stop the request: dropped from the queue, or stopped before its next step. No-op once it ended."""
+        if self._cancel.is_set() or self.state in ("finished", "failed", "cancelled"):
+            return
+        self._cancel.set()
+        self.runner._drop(self)
+
+    def _put(self, item: Any) -> None:
+        """Called from the worker thread (or the loop): hand an item to the consumer."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            self._cancel.set()
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._events.get()
+        except asyncio.CancelledError:  # the consumer went away (client disconnect)
+            self.cancel()
+            raise
+        if item is _END:
+            self._done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self.cancel()
+        self._done = True
+
+    async def collect(self) -> StreamEvent:
+        """Run to the end; the last event (with .result) but with the whole text and token ids."""
+        texts, ids, last = [], [], None
+        async for event in self:
+            texts.append(event.text)
+            ids.extend(event.token_ids)
+            last = event
+        return StreamEvent("".join(texts), ids, last.result if last else None)
+
+
+DEFAULT_MAX_ACTIVE = 8  # requests decoding together when the config sets no max_batch_size
+
+
+class Runner:
+    """Runs one Engine's requests in a worker thread with continuous batching (up to max_active at once)."""
+
+    def __init__(self, engine, max_queue_size: int = 64, name: str = "model",
+                 step_lock: threading.Lock | None = None, max_active: int = DEFAULT_MAX_ACTIVE,
+                 adaptive_draft: bool = True):
+        self.engine = engine
+        self.adaptive_draft = adaptive_draft
+        self.max_active = max(1, max_active)
+        self._running_count = 0
+        self.batch_stats = None  # the BatchEngine's step statistics (batch size, draft length chosen)
+        self._owners: dict[int, RequestHandle] = {}  # id(Sequence) -> handle of each admitted request
+        self._step_lock = step_lock or threading.Lock()  # shared by runners whose engines share weights
+        self.name = name
+        self.max_queue_size = max_queue_size
+        self._queue: deque[RequestHandle] = deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._ids = itertools.count(1)
+        self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "rejected": 0}
+        self._thread = threading.Thread(target=self._work, name=f"runner-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- the interface ------------------------------------------------------------------------------------------
+    async def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request. Raises RequestError (bad params, prompt too long), QueueFullError, RunnerClosedError."""
+        prompt_ids = self._check(prompt, params)
+        handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop())
+        with self._cv:
+            if self._closing:
+                raise RunnerClosedError(f"model '{self.name}' is not accepting requests (unloading)")
+            if len(self._queue) >= self.max_queue_size:
+                self.counts["rejected"] += 1
+                raise QueueFullError("Exceeds maximum queue size")
+            handle.id = next(self._ids)
+            self.counts["submitted"] += 1
+            self._queue.append(handle)
+            self._cv.notify()
+        return handle
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"queued": len(self._queue), "running": self._running_count, **self.counts}
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + self._running_count
+
+    def close(self, cancel_running: bool = False, timeout: float | None = 30.0) -> None:
+        """Stop accepting requests, fail the queued ones, let (or not) the running one finish, end the thread."""
+        with self._cv:
+            self._closing = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for handle in dropped:
+            handle.state = "cancelled"
+            handle._put(RunnerClosedError(f"model '{self.name}' was unloaded"))
+        if cancel_running:
+            for handle in list(self._owners.values()):
+                handle._cancel.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            prompt_ids = self.engine.encode(prompt)
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+            vocab = getattr(getattr(getattr(self.engine, "model", None), "spec", None), "vocab_size", None)
+            if vocab and any(t < 0 or t >= vocab for t in prompt_ids):
+                raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        check = getattr(self.engine, "check_request", None)
+        if check is not None:
+            check(prompt_ids, params)
+        else:
+            try:
+                params.validate()
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
+        return prompt_ids
+
+    def _drop(self, handle: RequestHandle) -> None:
+        with self._cv:
+            try:
+                self._queue.remove(handle)
+            except ValueError:
+                return  # running (the worker sees the flag) or already over
+            self.counts["cancelled"] += 1
+        handle.state = "cancelled"
+        handle.timing.finished = time.perf_counter()
+        handle._put(RequestCancelledError("Request cancelled by client"))
+
+    def _work(self) -> None:
+        """Continuous batching: admit queued requests into free rows between steps, run one step, deliver."""
+        if isinstance(self.engine, Engine):
+            batch = BatchEngine(self.engine, self.max_active, adaptive_draft=self.adaptive_draft)
+        else:
+            batch = StreamBatch(self.engine)
+        self.batch_stats = getattr(batch, "stats", None)
+        owners = self._owners
+        while True:
+            with self._cv:
+                while not self._queue and not owners and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._queue and not owners:
+                    return
+                admitted = []
+                while self._queue and len(owners) + len(admitted) < batch.max_batch_size:
+                    admitted.append(self._queue.popleft())
+                self._running_count = len(owners) + len(admitted)
+            for handle in admitted:
+                self._admit(batch, handle, owners)
+            self._drop_cancelled(batch, owners)
+            if not owners:
+                continue
+            try:
+                with self._step_lock:
+                    outputs = batch.step()
+            except Exception as exc:  # noqa: BLE001 - the requests in this batch fail, the worker goes on
+                log.exception("runner %s: engine step failed", self.name)
+                for handle in list(owners.values()):
+                    batch.cancel(handle.sequence)
+                    self._finish(handle, owners, "failed", exc)
+                continue
+            for seq, event in outputs:
+                handle = owners[id(seq)]
+                if isinstance(event, Exception):
+                    if not isinstance(event, RequestError):
+                        log.error("runner %s: request %d failed: %s", self.name, handle.id, event)
+                    handle.error = event
+                    self._finish(handle, owners, "failed", event)
+                else:
+                    self._deliver(handle, event, owners)
+
+    def _admit(self, batch: BatchEngine, handle: RequestHandle, owners: dict) -> None:
+        timing = handle.timing
+        timing.started = time.perf_counter()
+        timing.started_ns = time.time_ns()
+        handle.state = "running"
+        try:
+            handle.sequence = batch.add(handle.prompt_ids, handle.params)
+        except Exception as exc:  # noqa: BLE001 - e.g. RequestError: delivered to this caller only
+            handle.error = exc
+            self._finish(handle, owners, "failed", exc)
+            return
+        owners[id(handle.sequence)] = handle
+
+    def _drop_cancelled(self, batch: BatchEngine, owners: dict) -> None:
+        for handle in [h for h in owners.values() if h.cancelled]:
+            batch.cancel(handle.sequence)
+            self._finish(handle, owners, "cancelled", RequestCancelledError("Request cancelled by client"))
+
+    def _deliver(self, handle: RequestHandle, event: StreamEvent, owners: dict) -> None:
+        timing = handle.timing
+        now_ns = time.time_ns()
+        if timing.first_event is None:
+            timing.first_event = time.perf_counter()
+            timing.first_token_ns = now_ns
+        timing.last_token_ns = now_ns
+        handle._put(event)
+        if event.result is not None:
+            handle.result = event.result
+            self._finish(handle, owners, "finished", _END)
+
+    def _finish(self, handle: RequestHandle, owners: dict, outcome: str, terminal) -> None:
+        owners.pop(id(handle.sequence), None)
+        handle.timing.finished = time.perf_counter()
+        handle.state = outcome
+        with self._cv:
+            self.counts[outcome] += 1
+            self._running_count = len(owners)
+        handle._put(terminal)

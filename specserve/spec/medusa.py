@@ -1,0 +1,161 @@
+"""Medusa heads (Cai et al. 2024) in the published checkpoint layout of FasterDecoding/Medusa.
+
+Layout (FasterDecoding/Medusa `medusa/model/medusa_model.py`, the `FasterDecoding/medusa-*` checkpoints):
+
+* `config.json`: `medusa_num_heads`, `medusa_num_layers` (default 1), `base_model_name_or_path`; specserve also
+  writes `hidden_size` and `vocab_size` (the published configs may lack them; the weights' shapes decide).
+* `medusa_lm_head.safetensors` (Medusa-1 training script, newer checkpoints) or `medusa_lm_head.pt`
+  (`torch.load`, older checkpoints): the state dict of `medusa_head`, an `nn.ModuleList` of
+  `nn.Sequential(*[ResBlock(hidden)] * medusa_num_layers, nn.Linear(hidden, vocab, bias=False))`, so the keys are
+      `{i}.{j}.linear.weight` [hidden, hidden], `{i}.{j}.linear.bias` [hidden]   (ResBlock j < medusa_num_layers)
+      `{i}.{medusa_num_layers}.weight` [vocab, hidden]                          (head i's lm_head)
+  with ResBlock(x) = x + SiLU(linear(x)). (The published module repeats one ResBlock object
+  `medusa_num_layers` times, so its layers share weights and its state dict repeats them; loading them into
+  separate blocks, as here, computes the same function.)
+
+Head i reads the target's final normed hidden state at the last accepted position and predicts the token
+i + 2 positions ahead: the target's own lm_head gives the next token (the tree's root), head 0 the token after
+it (tree depth 1), head i depth i + 1. So `medusa_candidates(...)[d]` is `candidates[d]` of
+`tree.tree_from_choices`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.spec.choices import DEFAULT_CHOICES
+from specserve.spec.tree import DraftTree, tree_from_choices
+from specserve.spec.weights import (check_layout, read_draft_vocab, read_weights, write_draft_vocab,
+                                     write_weights)
+
+SAFETENSORS_FILE = "medusa_lm_head.safetensors"
+TORCH_FILE = "medusa_lm_head.pt"
+CONFIG_FILE = "config.json"
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """`num_heads` heads of `num_layers` ResBlocks and an lm_head; `heads.state_dict()` is the published layout."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 base_model_name_or_path: str = ""):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.base_model_name_or_path = base_model_name_or_path
+        self.vocab_subset: torch.Tensor | None = None
+        self._subset_weights: list[torch.Tensor] | None = None
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
+                          nn.Linear(hidden_size, vocab_size, bias=False))
+            for _ in range(num_heads)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [num_heads, ..., V] (float32); with a draft vocabulary, [..., V'] over it."""
+        hidden = hidden.to(self.heads[0][-1].weight.dtype)
+        if self.vocab_subset is None:
+            return torch.stack([head(hidden) for head in self.heads]).float()
+        rows = []
+        for head, weight in zip(self.heads, self._subset_weights):
+            rows.append(torch.nn.functional.linear(head[:-1](hidden), weight))
+        return torch.stack(rows).float()
+
+    def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """specserve's draft vocabulary: the heads score these tokens only (their lm_heads are most of their
+        cost on a large vocabulary); candidates stay guesses, so verification remains exact."""
+        self.vocab_subset = None if token_ids is None else torch.as_tensor(token_ids).sort().values
+        self._subset_weights = None if token_ids is None else \
+            [head[-1].weight.detach()[self.vocab_subset].contiguous() for head in self.heads]
+
+
+def save_medusa(heads: MedusaHeads, path, safetensors: bool = True) -> Path:
+    """Write `heads` as a Medusa checkpoint directory (config.json + medusa_lm_head.safetensors or .pt)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_weights(heads.heads, path, SAFETENSORS_FILE if safetensors else TORCH_FILE)
+    if heads.vocab_subset is not None:
+        write_draft_vocab(path, heads.vocab_subset)
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+              "base_model_name_or_path": heads.base_model_name_or_path,
+              "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size}
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return path
+
+
+def load_medusa(path, target_hidden_size: int, target_vocab: int,
+                dtype: torch.dtype = torch.float32) -> MedusaHeads:
+    """Load a Medusa checkpoint directory for a target of the given hidden size and vocabulary; ValueError
+    (naming both sizes) when the heads were trained for another model, or when keys are missing / unknown."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Medusa checkpoint directory {path} does not exist")
+    config = json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).exists() else {}
+    state = read_weights(path, SAFETENSORS_FILE, TORCH_FILE)
+    state = {re.sub(r"^medusa_head\.", "", k): v for k, v in state.items()}  # whole-model saves prefix the keys
+    head_ids = sorted({int(k.split(".")[0]) for k in state if k.split(".")[0].isdigit()})
+    if not head_ids:
+        raise ValueError(f"{path}: no Medusa head weights (keys '{{i}}.{{j}}.linear.weight', '{{i}}.{{L}}.weight')")
+    num_heads = int(config.get("medusa_num_heads", len(head_ids)))
+    num_layers = int(config.get("medusa_num_layers", 1))
+    lm_key = f"0.{num_layers}.weight"
+    if lm_key not in state:
+        raise ValueError(f"{path}: missing {lm_key!r} (head 0's lm_head for medusa_num_layers={num_layers})")
+    vocab, hidden = state[lm_key].shape
+    if hidden != target_hidden_size:
+        raise ValueError(f"Medusa heads in {path} have hidden size {hidden}, the target model has "
+                         f"{target_hidden_size}: they were trained for another model")
+    if vocab != target_vocab:
+        raise ValueError(f"Medusa heads in {path} predict a vocabulary of {vocab} tokens, the target model has "
+                         f"{target_vocab}: they were trained for another model (or tokenizer)")
+    for key in ("hidden_size", "vocab_size"):
+        if key in config and int(config[key]) != (hidden if key == "hidden_size" else vocab):
+            raise ValueError(f"{path}: config.json says {key}={config[key]}, the weights disagree")
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, config.get("base_model_name_or_path", ""))
+    expected = heads.heads.state_dict()
+
+    def extra_head(key: str) -> bool:  # heads beyond medusa_num_heads are ignored, as Medusa does
+        prefix = key.split(".")[0]
+        return prefix.isdigit() and int(prefix) >= num_heads
+
+    check_layout(path, f"Medusa layout for {num_heads} heads x {num_layers} layers", expected, state, extra_head)
+    heads.heads.load_state_dict({k: state[k] for k in expected})
+    heads = heads.to(dtype).eval()
+    heads.restrict_vocab(read_draft_vocab(path, vocab))
+    return heads
+
+
+@torch.inference_mode()
+def medusa_candidates(heads: MedusaHeads, hidden_last: torch.Tensor, topk: int | list[int]) -> list[list[int]]:
+    """Per head, its ranked top-k tokens at the last hidden state [H] (`topk` per head or one for all)."""
+    logits = heads(hidden_last.reshape(-1)[None])[:, 0]  # [num_heads, V] (V': the draft vocabulary)
+    ks = [topk] * heads.num_heads if isinstance(topk, int) else list(topk)
+    ids = [torch.topk(logits[i], min(k, logits.shape[-1])).indices for i, k in enumerate(ks)]
+    if heads.vocab_subset is not None:
+        ids = [heads.vocab_subset[i] for i in ids]
+    return [i.tolist() for i in ids]
+
+
+def medusa_tree(heads: MedusaHeads, hidden_last: torch.Tensor, root_token: int,
+                choices=DEFAULT_CHOICES) -> DraftTree:
+    """The static tree `choices` filled with the heads' candidates (choices deeper than the heads are dropped)."""
+    choices = [c for c in choices if len(c) <= heads.num_heads]
+    depth = max(len(c) for c in choices)
+    ks = [max((c[d] + 1 for c in choices if len(c) > d), default=1) for d in range(depth)]
+    return tree_from_choices(choices, medusa_candidates(heads, hidden_last, ks), root_token)

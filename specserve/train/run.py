@@ -1,0 +1,80 @@
+"""`specserve train`: prompts -> self-distillation data -> a trained head -> held-out acceptance evaluation."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from specserve.config import DeploymentConfig, build_engine
+from specserve.models.loader import LoadedModel
+from specserve.spec.sampling import SamplingParams
+from specserve.train.data import build_dataset, load_dataset
+from specserve.train.heads import TrainSettings, train
+from specserve.train.prompt_files import check_held_out
+
+METHOD_OF_KIND = {"eagle3": "eagle3", "eagle": "eagle2", "medusa": "medusa", "draft": "draft_target"}
+
+
+def split_held_out(prompts: list[str], fraction: float = 0.05, at_most: int = 20) -> tuple[list[str], list[str]]:
+    """Training prompts and held-out evaluation prompts (the last few: the set is shuffled when built)."""
+    count = min(at_most, max(1, int(len(prompts) * fraction))) if len(prompts) > 1 else 0
+    return prompts[: len(prompts) - count], prompts[len(prompts) - count:]
+
+
+def evaluate(target: LoadedModel, kind: str, head_dir, prompts: list[str], max_tokens: int = 128,
+             max_draft_len: int = 6) -> dict:
+    """Greedy decoding with the trained head on held-out prompts: tau, acceptance per draft position, and
+    whether the output equals plain decoding (it must)."""
+    config = DeploymentConfig(model=str(target.path), method=METHOD_OF_KIND[kind], speculative_model=str(head_dir),
+                              max_draft_len=max_draft_len, adaptive_draft_len=False)
+    engine = build_engine(config, target)
+    plain = build_engine(DeploymentConfig(model=str(target.path)), target)
+    params = SamplingParams(max_tokens=max_tokens)
+    output = forwards = 0
+    drafted: list[int] = []
+    accepted: list[int] = []
+    equal = 0
+    for prompt in prompts:
+        result = engine.generate(prompt, params)
+        m = result.metrics
+        output += m.output_tokens
+        forwards += m.target_forwards
+        for i, (d, a) in enumerate(zip(m.drafts_per_position, m.accepted_per_position)):
+            if i == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[i] += d
+            accepted[i] += a
+        equal += result.token_ids == plain.generate(prompt, params).token_ids
+    return {"prompts": len(prompts), "tau": output / max(forwards, 1),
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
+            "outputs_equal_plain": equal, "method": config.method, "max_draft_len": max_draft_len}
+
+
+def run_training(target: LoadedModel, kind: str, prompts: list[str], out_dir, data_dir=None,
+                 eval_prompts: list[str] | None = None, max_tokens: int = 128, temperature: float = 0.0,
+                 settings: TrainSettings | None = None, echo=print) -> dict:
+    out_dir = Path(out_dir)
+    data_dir = Path(data_dir) if data_dir else out_dir / "data"
+    if eval_prompts is None:
+        prompts, eval_prompts = split_held_out(prompts)
+    check_held_out(prompts, eval_prompts)
+    settings = settings or TrainSettings(kind=kind)
+    start = time.perf_counter()
+    build_dataset(target, prompts, data_dir, max_tokens=max_tokens, temperature=temperature, seed=settings.seed)
+    data_seconds = time.perf_counter() - start
+    data, records = load_dataset(data_dir)
+    start = time.perf_counter()
+    train(settings, target, records, out_dir, aux_layer_ids=data.aux_layer_ids)
+    train_seconds = time.perf_counter() - start
+    report = {"kind": kind, "target": str(target.path), "train_prompts": len(prompts),
+              "train_tokens": sum(r["tokens"].numel() for r in records), "data_seconds": round(data_seconds, 1),
+              "train_seconds": round(train_seconds, 1), "settings": settings.__dict__}
+    if eval_prompts:
+        report["eval"] = evaluate(target, kind, out_dir, eval_prompts, max_tokens)
+        e = report["eval"]
+        echo(f"held-out: tau {e['tau']:.2f} on {e['prompts']} prompts; acceptance by position "
+             + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"]))
+    (out_dir / "train_report.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,128 @@
+"""`specserve serve`: the flags, clear errors (exit 2) for bad repositories, and real processes: a model
+repository of tiny models, and (slow) no arguments at all = the embedded default under the tutorials' names."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from specserve.cli import app
+
+from .test_seeds import SEED_CURLS, check, replay
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_serve_help_lists_the_contract_flags():
+    result = invoke("serve", "--help")
+    assert result.exit_code == 0
+    for flag in ("--model-repository", "--model", "--http-port", "--metrics-port", "--host"):
+        assert flag in result.output
+
+
+def test_serve_errors_are_clear(tmp_path, checkpoint):
+    result = invoke("serve", "--model-repository", tmp_path / "missing")
+    assert result.exit_code == 2 and "not a directory" in result.output
+    result = invoke("serve", "--model-repository", tmp_path, "--model", "x")
+    assert result.exit_code == 2 and "either" in result.output
+    (tmp_path / "bad" / "1").mkdir(parents=True)
+    (tmp_path / "bad" / "1" / "model.json").write_text(json.dumps({"model": checkpoint("llama"),
+                                                                    "gpu_memory_fraction": 0.5}))
+    result = invoke("serve", "--model-repository", tmp_path)
+    assert result.exit_code == 2 and "gpu_memory_fraction" in result.output
+    (tmp_path / "bad" / "1" / "model.json").unlink()
+    (tmp_path / "bad" / "1" / "model.yaml").write_text(
+        f"model: {checkpoint('llama')}\nspeculative_config:\n  decoding_type: Eagle3\n  max_draft_len: 3\n")
+    result = invoke("serve", "--model-repository", tmp_path)
+    assert result.exit_code == 2 and "eagle3 needs speculative_model" in result.output
+    result = invoke("serve", "--model", tmp_path / "nothing-here")
+    assert result.exit_code == 2 and "not found" in result.output
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    def __init__(self, *args: str, timeout: float):
+        self.http_port, self.metrics_port = free_port(), free_port()
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "specserve.cli", "serve", *args, "--http-port", str(self.http_port),
+             "--metrics-port", str(self.metrics_port), "--host", "127.0.0.1", "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise AssertionError("server did not become ready")
+
+    @property
+    def host_port(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def test_serve_model_repository_process(repo_dir):
+    server = Process("--model-repository", str(repo_dir), timeout=90)
+    try:
+        for line in SEED_CURLS:
+            check(line, replay(line, server.host_port))
+        metrics = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+        assert 'nv_inference_request_success{model="tensorrt_llm",version="1"} 2' in metrics
+    finally:
+        code = server.stop()
+    assert code == 0
+
+
+@pytest.mark.slow
+def test_serve_without_arguments_serves_the_default_model():
+    """A newcomer's first commands: `specserve serve`, then the tutorials' curl lines, then OpenAI chat."""
+    server = Process(timeout=600)
+    try:
+        for line in SEED_CURLS:
+            check(line, replay(line, server.host_port))
+        base = f"http://{server.host_port}"
+        models = [m["id"] for m in httpx.get(base + "/v1/models", timeout=10).json()["data"]]
+        assert models[0] == "gemma-3-270m" and "tensorrt_llm" in models
+        chat = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "gemma-3-270m", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
+        assert "Paris" in chat["choices"][0]["message"]["content"]
+        config = httpx.get(base + "/v2/models/tensorrt_llm/config", timeout=10).json()
+        assert config["parameters"]["speculative_method"]["string_value"] == "ngram"
+    finally:
+        code = server.stop()
+    assert code == 0

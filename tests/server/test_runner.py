@@ -1,0 +1,203 @@
+"""The runner on its own: FIFO, bounded queue, cancellation (queued and running), failures don't kill the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specserve.engine.engine import RequestError, StreamEvent
+from specserve.engine.request import GenerationResult, RequestMetrics
+from specserve.server.runner import QueueFullError, RequestCancelledError, Runner, RunnerClosedError
+from specserve.spec.sampling import SamplingParams
+
+
+class FakeEngine:
+    """Emits one token per step (sleeping `delay`); prompt "boom" raises mid-stream; records the order it ran."""
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+        self.order: list[str] = []
+        self.steps = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            raise RequestError("prompt must be a non-empty string")
+        return [ord(c) for c in text]
+
+    def check_request(self, ids, params) -> None:
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        if len(ids) > 50:
+            raise RequestError("prompt too long")
+
+    def stream(self, prompt, params):
+        self.order.append("".join(chr(i) for i in prompt))
+        for i in range(params.max_tokens):
+            self.gate.wait(5)
+            time.sleep(self.delay)
+            self.steps += 1
+            if prompt == self.encode("boom") and i == 1:
+                raise RuntimeError("kaboom")
+            last = i == params.max_tokens - 1
+            result = GenerationResult("x" * (i + 1), [7] * (i + 1), "length", RequestMetrics()) if last else None
+            yield StreamEvent("x", [7], result)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def params(n: int = 3) -> SamplingParams:
+    return SamplingParams(max_tokens=n)
+
+
+def test_runs_fifo_and_collects():
+    engine = FakeEngine()
+    runner = Runner(engine, max_queue_size=8)
+
+    async def main():
+        handles = [await runner.submit(p, params()) for p in ("a", "b", "c")]
+        return [await h.collect() for h in handles]
+
+    outs = run(main())
+    assert engine.order == ["a", "b", "c"]
+    assert [o.text for o in outs] == ["xxx"] * 3
+    assert all(o.result.finish_reason == "length" for o in outs)
+    assert runner.stats()["finished"] == 3
+    runner.close()
+
+
+def test_bad_request_raises_at_submit():
+    runner = Runner(FakeEngine())
+
+    async def main():
+        with pytest.raises(RequestError):
+            await runner.submit("x" * 60, params())
+        with pytest.raises(RequestError):
+            await runner.submit("", params())
+        with pytest.raises(RequestError, match="max_tokens"):
+            await runner.submit("a", SamplingParams(max_tokens=-1))
+
+    run(main())
+    runner.close()
+
+
+def test_queue_full_then_drains():
+    engine = FakeEngine()
+    engine.gate.clear()  # the first request blocks inside the engine
+    runner = Runner(engine, max_queue_size=2)
+
+    async def main():
+        first = await runner.submit("a", params(1))
+        for _ in range(100):  # the worker picks it up
+            if runner.stats()["running"]:
+                break
+            await asyncio.sleep(0.01)
+        queued = [await runner.submit(p, params(1)) for p in ("b", "c")]
+        with pytest.raises(QueueFullError):
+            await runner.submit("d", params(1))
+        engine.gate.set()
+        return [await h.collect() for h in [first, *queued]]
+
+    outs = run(main())
+    assert len(outs) == 3 and runner.stats()["rejected"] == 1
+    runner.close()
+
+
+def test_cancel_queued_is_dropped_and_running_stops_at_next_step():
+    engine = FakeEngine(delay=0.01)
+    runner = Runner(engine, max_queue_size=4)
+
+    async def main():
+        long = await runner.submit("long", params(1000))
+        queued = await runner.submit("queued", params(3))
+        await long.__anext__()
+        queued.cancel()
+        assert runner.stats()["queued"] == 0
+        with pytest.raises(RequestCancelledError):
+            await queued.collect()
+        long.cancel()
+        with pytest.raises(RequestCancelledError):
+            async for _ in long:
+                pass
+
+    run(main())
+    assert engine.order == ["long"]  # the cancelled queued request never ran
+    assert engine.steps < 100
+    stats = runner.stats()
+    assert stats["cancelled"] == 2 and stats["running"] == 0
+    runner.close()
+
+
+def test_consumer_task_cancelled_stops_request():
+    engine = FakeEngine(delay=0.01)
+    runner = Runner(engine)
+
+    async def main():
+        handle = await runner.submit("a", params(1000))
+
+        async def consume():
+            async for _ in handle:
+                pass
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for _ in range(200):
+            if runner.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert runner.stats()["cancelled"] == 1 and engine.steps < 200
+    runner.close()
+
+
+def test_failing_request_does_not_stop_the_worker():
+    runner = Runner(FakeEngine())
+
+    async def main():
+        bad = await runner.submit("boom", params(5))
+        good = await runner.submit("fine", params(2))
+        with pytest.raises(RuntimeError, match="kaboom"):
+            await bad.collect()
+        return await good.collect()
+
+    assert run(main()).text == "xx"
+    assert runner.stats()["failed"] == 1 and runner.stats()["finished"] == 1
+    runner.close()
+
+
+def test_close_fails_queued_and_refuses_new():
+    engine = FakeEngine()
+    engine.gate.clear()
+    runner = Runner(engine)
+
+    async def main():
+        first = await runner.submit("a", params(1))
+        for _ in range(200):  # the worker picks it up (blocked in the engine)
+            if runner.stats()["running"]:
+                break
+            await asyncio.sleep(0.01)
+        second = await runner.submit("b", params(1))
+        closer = threading.Thread(target=runner.close)
+        closer.start()
+        await asyncio.sleep(0.05)
+        with pytest.raises(RunnerClosedError):
+            await second.collect()
+        with pytest.raises(RunnerClosedError):
+            await runner.submit("c", params(1))
+        engine.gate.set()
+        out = await first.collect()  # the running one finishes
+        closer.join(5)
+        return out
+
+    assert run(main()).text == "x"

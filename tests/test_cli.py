@@ -1,0 +1,112 @@
+"""The command line: JSON output, model.yaml, the bench contract, and clear errors (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from specserve.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_generate_json(checkpoint):
+    result = invoke("generate", "def fibonacci(n):", "--model", checkpoint("llama"), "--method", "ngram",
+                    "--max-tokens", 16, "--dtype", "float32", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["method"] == "ngram" and isinstance(payload["text"], str)
+    for key in ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "acceptance_length",
+                "time_to_first_token_s", "tokens_per_s"):
+        assert key in payload["metrics"]
+
+
+def test_generate_from_model_yaml_equals_plain(checkpoint, tmp_path):
+    yaml_file = tmp_path / "model.yaml"
+    yaml_file.write_text(f"model: {checkpoint('qwen3')}\ndtype: float32\nspeculative_config:\n"
+                         f"  decoding_type: Draft_Target\n  max_draft_len: 3\n"
+                         f"  speculative_model: {checkpoint('qwen3', 1)}\n")
+    spec = json.loads(invoke("generate", "Once upon a time", "--model", yaml_file, "--max-tokens", 20,
+                             "--json").stdout)
+    plain = json.loads(invoke("generate", "Once upon a time", "--model", checkpoint("qwen3"), "--dtype", "float32",
+                              "--max-tokens", 20, "--json").stdout)
+    assert spec["method"] == "draft_target" and plain["method"] == "ar"
+    assert spec["text"] == plain["text"]
+    assert spec["metrics"]["total_draft_tokens"] > 0
+
+
+def test_bench_writes_the_contract(checkpoint, tmp_path):
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"turns": ["def add(a, b):"]}\n{"text": "Once upon a time"}\n')
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "--dataset", data, "--methods", "ar,ngram,hf,hf-pld", "--num-prompts", 2,
+                    "--max-tokens", 12, "--model", checkpoint("llama"), "--dtype", "float32", "--json", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert set(report["methods"]) == {"ar", "ngram", "hf", "hf-pld"}
+    for name, row in report["methods"].items():
+        assert set(row) >= {"tokens_per_s", "acceptance_length", "acceptance_rate", "speedup_vs_ar",
+                            "outputs_equal_ar"}
+        assert row["tokens_per_s"] > 0
+    assert report["methods"]["ngram"]["outputs_equal_ar"] is True
+    assert report["methods"]["hf"]["outputs_equal_ar"] is True  # transformers agrees with plain decoding
+
+
+def test_mismatched_draft_tokenizer_is_an_error(checkpoint, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_checkpoint
+    other = AutoTokenizer.from_pretrained(checkpoint("llama"))
+    other.add_tokens(["<extra_token>"])
+    draft = make_checkpoint(tmp_path / "draft", "llama", 3, other)
+    result = invoke("generate", "hi", "--model", checkpoint("llama"), "--method", "draft_target",
+                    "--draft-model", draft, "--json")
+    assert result.exit_code == 2 and "tokenizer" in result.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "", "--max-tokens", 4], "non-empty"),
+    (["generate", "hi", "--max-tokens", 0], "max_tokens"),
+    (["generate", "hi", "--max-tokens", 100000], "context"),
+    (["generate", "hi " * 700, "--max-tokens", 4], "context"),
+    (["generate", "hi", "--temperature", -1], "temperature"),
+    (["generate", "hi", "--method", "telepathy"], "telepathy"),
+    (["generate", "hi", "--method", "draft_target"], "speculative_model"),
+])
+def test_bad_input_exits_2_with_a_message(checkpoint, args, needle):
+    result = invoke(*args, "--model", checkpoint("llama"), "--dtype", "float32")
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+
+
+def test_bad_models_exit_2(tmp_path):
+    missing = invoke("generate", "hi", "--model", tmp_path / "nope")
+    assert missing.exit_code == 2 and "not found" in missing.output
+    (tmp_path / "empty").mkdir()
+    empty = invoke("generate", "hi", "--model", tmp_path / "empty")
+    assert empty.exit_code == 2 and "config.json" in empty.output
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    assert invoke("generate", "hi", "--model", broken).exit_code == 2
+    unsupported = tmp_path / "gpt2"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text('{"model_type": "gpt2"}')
+    result = invoke("generate", "hi", "--model", unsupported)
+    assert result.exit_code == 2 and "gpt2" in result.output
+    bad_yaml = tmp_path / "model.yaml"
+    bad_yaml.write_text("model: x\nspeculative_config:\n  decoding_type: NGram\n  bogus_key: 1\n")
+    result = invoke("generate", "hi", "--model", bad_yaml)
+    assert result.exit_code == 2 and "bogus_key" in result.output
+
+
+def test_bench_bad_dataset(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    result = invoke("bench", "--dataset", tmp_path / "empty.jsonl", "--model", tmp_path)
+    assert result.exit_code == 2 and "no prompts" in result.output

@@ -1,0 +1,160 @@
+"""The row-invariant CPU kernels: accuracy against float references and bit-exact invariance to batch shape."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.models import cpu_kernels as ck
+
+if not ck.available():
+    pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def bf16(*shape):
+    return torch.randn(*shape).bfloat16()
+
+
+# --------------------------------------------------------------------------------------------- small_linear
+
+
+@pytest.mark.parametrize("k, n", [(640, 256), (1024, 1000), (2048, 2048), (100, 1000), (640, 2048), (33, 256)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+def test_small_linear_matches_float_reference(k, n, bias_dtype):
+    x, w = bf16(5, k), bf16(n, k)
+    bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+    ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    y32 = ck.small_linear(x, w, bias, out_fp32=True)
+    y16 = ck.small_linear(x, w, bias)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y16.shape == (5, n)
+    torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-3)
+    assert torch.equal(y16, y32.bfloat16())  # bf16 output = round to nearest even of the fp32 result
+
+
+def test_small_linear_keeps_leading_dims():
+    x, w = bf16(2, 3, 64), bf16(48, 64)
+    y = ck.small_linear(x, w)
+    assert y.shape == (2, 3, 48)
+    assert torch.equal(y[1, 2], ck.small_linear(x[1, 2], w))
+
+
+@pytest.mark.parametrize("k, n", [(640, 1000), (99, 70)])
+def test_small_linear_rows_are_independent_of_the_batch(k, n):
+    x, w = bf16(40, k), bf16(n, k)
+    full = ck.small_linear(x, w)
+    for m in range(1, 34):
+        assert torch.equal(ck.small_linear(x[:m], w), full[:m]), m
+    for i in range(40):
+        assert torch.equal(ck.small_linear(x[i:i + 1], w)[0], full[i]), i
+    other = bf16(40, k)
+    other[7] = x[7]
+    assert torch.equal(ck.small_linear(other, w)[7], full[7])
+
+
+# ----------------------------------------------------------------------------------------- decode_attention
+
+
+def reference_attention(q, k, v, mask, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (q.double() @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).nan_to_num(0.0)  # rows with no visible key: zeros
+
+
+def causal_mask(b, t, s):
+    """Query i of t new tokens sits at position s - t + i and sees keys up to there."""
+    return torch.ones(t, s, dtype=torch.bool).tril(s - t)[None, None].expand(b, 1, t, s)
+
+
+def cache_views(b, hkv, s, d, capacity=320):
+    """Keys/values as the model passes them: [:, :, :s] slices of a larger cache."""
+    kc, vc = bf16(b, hkv, capacity, d), bf16(b, hkv, capacity, d)
+    return kc[:, :, :s], vc[:, :, :s]
+
+
+@pytest.mark.parametrize("h, hkv, d", [(4, 1, 256), (8, 2, 64), (6, 2, 80)])
+@pytest.mark.parametrize("s", [1, 17, 300])
+def test_decode_attention_matches_float_reference(h, hkv, d, s):
+    b, t = 2, min(s, 5)
+    q = bf16(b, t, h, d).transpose(1, 2)  # [B, H, T, D] view, as the model makes it
+    k, v = cache_views(b, hkv, s, d)
+    mask = causal_mask(b, t, s) & (torch.rand(b, 1, t, s) > 0.3)
+    mask[0, 0, 0] = False  # a row that sees nothing
+    scale = d ** -0.5
+    out = ck.decode_attention(q, k, v, mask, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, h, t, d)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, mask, scale), rtol=8e-3, atol=8e-3)
+    assert not out[0, :, 0].any()
+
+
+@pytest.mark.parametrize("h, hkv, d", [(4, 1, 256), (8, 2, 64)])
+def test_decode_attention_row_is_independent_of_t_and_s(h, hkv, d):
+    b, t, committed = 2, 8, 41
+    s = committed + t
+    q = bf16(b, h, t, d)
+    k, v = cache_views(b, hkv, s + 20, d)
+    mask = causal_mask(b, t, s)
+    verify = ck.decode_attention(q, k[:, :, :s], v[:, :, :s], mask, 0.125)  # T = 8
+    for i in range(t):
+        visible = committed + i + 1
+        alone = ck.decode_attention(q[:, :, i:i + 1], k[:, :, :visible], v[:, :, :visible],
+                                    torch.ones(b, 1, 1, visible, dtype=torch.bool), 0.125)  # T = 1
+        assert torch.equal(alone[:, :, 0], verify[:, :, i]), i
+        longer = torch.zeros(b, 1, 1, s + 20, dtype=torch.bool)
+        longer[..., :visible] = True  # same keys visible, more masked ones after them
+        padded = ck.decode_attention(q[:, :, i:i + 1], k, v, longer, 0.125)
+        assert torch.equal(padded[:, :, 0], verify[:, :, i]), i
+
+
+def test_results_do_not_depend_on_thread_count():
+    x, w = bf16(9, 640), bf16(1000, 640)
+    q, (k, v) = bf16(1, 4, 8, 256), cache_views(1, 1, 300, 256)
+    mask = causal_mask(1, 8, 300)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = ck.small_linear(x, w), ck.decode_attention(q, k, v, mask, 0.0625)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single[0], ck.small_linear(x, w))
+    assert torch.equal(single[1], ck.decode_attention(q, k, v, mask, 0.0625))
+
+
+def test_decode_attention_rejects_head_dims_off_16():
+    q, k = bf16(1, 2, 1, 40), bf16(1, 1, 3, 40)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ck.decode_attention(q, k, k, torch.ones(1, 1, 1, 3, dtype=torch.bool), 1.0)
+
+
+def test_env_var_disables_the_kernels(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_NO_KERNELS", "1")
+    spec = importlib.util.spec_from_file_location("fresh_cpu_kernels", ck.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert not fresh.available()
+    assert "SPECSERVE_NO_KERNELS" in fresh.unavailable_reason
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_rms_norm_matches_the_model_norm_and_is_row_invariant(gemma):
+    from specserve.models.transformer import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(640, 1e-6, gemma)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(12, 640) * 3).bfloat16()
+    got = ck.rms_norm(x, norm.kernel_weight(), norm.eps, gemma)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+    want = (h * (1 + norm.weight)).bfloat16() if gemma else norm.weight.bfloat16() * h.bfloat16()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    for i in range(12):
+        assert torch.equal(ck.rms_norm(x[i:i + 1], norm.kernel_weight(), norm.eps, gemma)[0], got[i])

@@ -1,0 +1,45 @@
+"""End to end on the real embedded default (Gemma-3-270m GGUF): dequantized once, cached, then lossless n-gram."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.config import DeploymentConfig, build_engine
+from specserve.models.loader import DEFAULT_MODEL, load_model
+from specserve.spec.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+    "    \"\"\" Check if in given list of numbers, are any two numbers closer to each other than\n"
+    "    given threshold.\n    \"\"\"\n",
+]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(DEFAULT_MODEL)
+
+
+def test_default_model_ngram_equals_plain(default_model):
+    plain = build_engine(DeploymentConfig(), default_model)
+    ngram = build_engine(DeploymentConfig(method="ngram", max_draft_len=4), default_model)
+    params = SamplingParams(max_tokens=48)
+    for prompt in PROMPTS:
+        want, got = plain.generate(prompt, params), ngram.generate(prompt, params)
+        assert got.token_ids == want.token_ids
+        assert got.metrics.total_draft_tokens > 0
+
+
+def test_cli_generate_on_the_default(default_model):
+    from typer.testing import CliRunner
+
+    from specserve.cli import app
+    result = CliRunner().invoke(app, ["generate", "def add(a, b):", "--method", "ngram", "--max-tokens", "16",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["metrics"]["output_tokens"] >= 1

@@ -1,0 +1,323 @@
+"""EAGLE-1 / EAGLE-2 / EAGLE-3: the published checkpoint layouts (names, shapes, mismatch errors), greedy output
+equal to plain decoding for every family and tree shape, stops inside accepted paths (with a head trained here on
+the shared TinyStories model, so that paths do get accepted), batching, and sampling that keeps the target's
+distribution while a broken sibling-resampling step does not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import specserve.spec.tree as tree_module
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml
+from specserve.engine.batch import BatchEngine
+from specserve.engine.engine import Engine
+from specserve.spec.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
+from specserve.spec.eagle_draft import EagleMethod
+from specserve.spec.sampling import SamplingParams
+from specserve.train.heads import TrainSettings, train
+from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
+from tests.test_batching import run_batched
+from tests.test_sampling_lossless import broken_residual, exact_joint, total_variation, tv_bound
+
+PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
+SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+HELD_OUT = STORY_HELD_OUT
+
+
+def save_random(target, kind: str, directory, seed: int = 0, safetensors: bool = False):
+    vocab = torch.arange(0, target.model.spec.vocab_size, 2) if kind == "eagle3" else None
+    return save_eagle(new_eagle_head(target.model.spec, kind, vocab, seed=seed, std=0.2), directory, safetensors)
+
+
+def engine_for(target, method: str, head_dir, max_draft_len: int = 4, adaptive: bool = False, **knobs):
+    config = DeploymentConfig(model=str(target.path), method=method, speculative_model=str(head_dir),
+                              max_draft_len=max_draft_len, adaptive_draft_len=adaptive, **knobs)
+    return build_engine(config, target)
+
+
+# ---- layouts -------------------------------------------------------------------------------------------------
+
+EAGLE3_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
+                "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+                *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+                *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+EAGLE1_NAMES = {"fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
+                *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+                *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
+
+
+def test_eagle3_layout_names_shapes_and_config(loaded, tmp_path):
+    target = loaded("llama")
+    spec = target.model.spec
+    path = save_random(target, "eagle3", tmp_path / "e3")
+    state = torch.load(path / "pytorch_model.bin", weights_only=True)
+    assert set(state) == EAGLE3_NAMES
+    h, draft_vocab = spec.hidden_size, spec.vocab_size // 2
+    assert state["fc.weight"].shape == (h, 3 * h)
+    assert state["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert state["lm_head.weight"].shape == (draft_vocab, h)
+    assert state["d2t"].dtype == torch.long and state["t2d"].dtype == torch.bool
+    assert int(state["t2d"].sum()) == draft_vocab
+    assert torch.equal(torch.arange(draft_vocab) + state["d2t"], torch.arange(0, spec.vocab_size, 2))
+    config = json.loads((path / "config.json").read_text())
+    assert config["draft_vocab_size"] == draft_vocab and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    head = load_eagle(path, "eagle3", spec)
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in state.items())
+
+
+def test_eagle1_layout_and_safetensors(loaded, tmp_path):
+    target = loaded("qwen2")
+    head = new_eagle_head(target.model.spec, "eagle")
+    head.config.fc_bias = True
+    head = EagleHead(head.config)  # the original EAGLE trains fc with a bias
+    save_eagle(head, tmp_path / "bin")
+    assert set(torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)) == EAGLE1_NAMES
+    save_eagle(head, tmp_path / "st", safetensors=True)
+    loaded_head = load_eagle(tmp_path / "st", "eagle", target.model.spec)
+    assert loaded_head.fc.bias is not None and not hasattr(loaded_head.layers[0], "input_layernorm")
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("hidden", "hidden size"), ("vocab", "vocabulary"), ("kind", "EAGLE-1/2 head"), ("missing", "missing"),
+    ("layers", "target layer"), ("nodir", "does not exist"),
+])
+def test_mismatches_are_clear_errors(loaded, tmp_path, case, needle):
+    target = loaded("llama")
+    spec = target.model.spec
+    method, path = "eagle3", tmp_path / "head"
+    if case == "hidden":
+        other = type(spec)(**{**spec.__dict__, "hidden_size": 32, "num_heads": 2, "head_dim": 16})
+        save_eagle(new_eagle_head(other, "eagle3"), path)
+    elif case == "vocab":
+        save_eagle(new_eagle_head(type(spec)(**{**spec.__dict__, "vocab_size": 500}), "eagle3"), path)
+    elif case == "kind":
+        save_random(target, "eagle", path)
+    elif case == "missing":
+        save_random(target, "eagle3", path)
+        state = torch.load(path / "pytorch_model.bin", weights_only=True)
+        del state["midlayer.hidden_norm.weight"]
+        torch.save(state, path / "pytorch_model.bin")
+    elif case == "layers":
+        head = new_eagle_head(spec, "eagle3", aux_layer_ids=[1, 2, 9])
+        save_eagle(head, path)
+    elif case == "nodir":
+        path = tmp_path / "absent"
+    with pytest.raises(ConfigError, match=needle):
+        engine_for(target, method, path)
+
+
+# ---- greedy == plain -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("method,knobs", [
+    ("eagle", {"eagle_choices": SMALL_CHOICES}),
+    ("eagle2", {"top_k": 3, "total_tokens": 10}),
+    ("eagle3", {"top_k": 4, "total_tokens": 16}),
+])
+def test_greedy_equals_plain(family, method, knobs, loaded, tmp_path):
+    target = loaded(family)
+    head = save_random(target, "eagle3" if method == "eagle3" else "eagle", tmp_path / "head")
+    params = SamplingParams(max_tokens=24)
+    for depth in (1, 3):
+        engine = engine_for(target, method, head, depth, **knobs)
+        drafted = 0
+        for prompt in PROMPTS:
+            want = Engine(target).generate(prompt, params)
+            got = engine.generate(prompt, params)
+            assert got.token_ids == want.token_ids and got.text == want.text, (family, method, depth, prompt)
+            drafted += got.metrics.total_draft_tokens
+        assert drafted > 0
+
+
+def test_hardware_aware_budget_is_lossless(loaded, tmp_path):
+    target = loaded("gemma3")
+    engine = engine_for(target, "eagle3", save_random(target, "eagle3", tmp_path / "h"), 5, adaptive=True)
+    assert engine.method.verify_seconds is not None
+    for prompt in PROMPTS:
+        params = SamplingParams(max_tokens=30)
+        assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
+
+
+# ---- a trained head: accepted paths, stops inside them, batching, sampling ---------------------------------------
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory, story_data):
+    """stories260K and EAGLE-3 / EAGLE-1 heads trained on its own stories (a few seconds each)."""
+    target, data, records, _ = story_data
+    root = tmp_path_factory.mktemp("stories")
+    heads = {}
+    for kind in ("eagle3", "eagle"):
+        settings = TrainSettings(kind=kind, steps=150, batch_size=8, seq_len=80, draft_vocab_size=256, lr=3e-3,
+                                 save_every=1000)
+        train(settings, target, records, root / kind, data.aux_layer_ids, progress=False)
+        heads[kind] = root / kind
+    return target, heads
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle2", "eagle3"])
+def test_trained_head_accepts_paths_and_stays_exact(stories, method):
+    target, heads = stories
+    engine = engine_for(target, method, heads["eagle3" if method == "eagle3" else "eagle"], 5)
+    params = SamplingParams(max_tokens=60)
+    forwards = tokens = 0
+    for prompt in HELD_OUT:
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids
+        forwards += got.metrics.target_forwards
+        tokens += got.metrics.output_tokens
+    assert tokens / forwards > 1.8  # tau: paths several nodes deep are accepted
+
+
+def test_stop_tokens_and_strings_inside_accepted_paths(stories):
+    target, heads = stories
+    engine = engine_for(target, "eagle3", heads["eagle3"], 5)
+    plain = Engine(target).generate(HELD_OUT[0], SamplingParams(max_tokens=60))
+    for cut in (9, 17, 26, 41):  # a stop at several offsets: some fall inside an accepted path
+        stop_id = plain.token_ids[cut]
+        params = SamplingParams(max_tokens=60, stop_token_ids=[stop_id])
+        want = Engine(target).generate(HELD_OUT[0], params)
+        got = engine.generate(HELD_OUT[0], params)
+        assert got.token_ids == want.token_ids and got.text == want.text and got.finish_reason == "stop"
+        stop_text = plain.text[len(plain.text) // 3 + cut: len(plain.text) // 3 + cut + 4]
+        params = SamplingParams(max_tokens=60, stop=[stop_text])
+        want, got = Engine(target).generate(HELD_OUT[0], params), engine.generate(HELD_OUT[0], params)
+        assert got.text == want.text and not got.text.endswith(stop_text) and got.finish_reason == "stop"
+
+
+def test_batched_equals_alone(stories):
+    target, heads = stories
+    engine = engine_for(target, "eagle3", heads["eagle3"], 4)
+    requests = [(HELD_OUT[i % 3], SamplingParams(max_tokens=10 + 7 * i)) for i in range(6)]
+    alone = [Engine(target).generate(p, params) for p, params in requests]
+    batched = run_batched(BatchEngine(engine, max_batch_size=3), requests)
+    assert [batched[i].token_ids for i in range(6)] == [r.token_ids for r in alone]
+
+
+def test_head_cache_follows_the_committed_tokens(stories):
+    """After many steps, the head's cache holds exactly what running it over the committed pairs gives."""
+    target, heads = stories
+    engine = engine_for(target, "eagle3", heads["eagle3"], 5)
+    seq = engine.new_sequence(HELD_OUT[1], SamplingParams(max_tokens=40), 200)
+    from specserve.models.kv_cache import KVCache
+    cache = KVCache.for_model(target.model, 1, 200)
+    while not seq.finished:
+        seq.draft(5)
+        engine.forward(cache, [seq])
+    proposer = seq.proposer
+    committed = seq.tokens
+    features = target.model(torch.tensor([committed]), torch.arange(len(committed))[None],
+                            KVCache.for_model(target.model, 1, len(committed)), torch.arange(len(committed))[None],
+                            output_layers=engine.hidden_layers).hidden_states
+    features = torch.cat([features[i][0] for i in engine.hidden_layers], -1)
+    head = engine.method.head
+    fresh = type(proposer.cache)(head, len(committed) + 1)
+    n = proposer.stable
+    positions = torch.arange(n)
+    head(features[:n], engine.method.embed(torch.tensor(committed[1: n + 1])), positions, fresh, positions,
+         torch.ones(n, n, dtype=torch.bool).tril())
+    assert n >= len(committed) - 8
+    torch.testing.assert_close(proposer.cache.keys[0][:, :n], fresh.keys[0][:, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(proposer.cache.values[0][:, :n], fresh.values[0][:, :n], atol=1e-5, rtol=1e-4)
+
+
+def eagle_statistics(stories, samples: int = 2000):
+    target, heads = stories
+    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, total_tokens=4)
+    prompt_ids = engine.encode(STORY_PROMPTS[0])  # a training prompt: the head's drafts land in the support
+    # a high temperature flattens the target, so drafts are often rejected and siblings resampled
+    params = SamplingParams(temperature=3.0, top_k=2, max_tokens=3, ignore_eos=True)
+    counts: dict = {}
+    for seed in range(samples):
+        params.seed = seed
+        key = tuple(engine.generate(prompt_ids, params).token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts, exact_joint(target, prompt_ids, params, 3)
+
+
+def test_sampling_keeps_target_distribution(stories):
+    counts, expected = eagle_statistics(stories)
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+
+
+def test_broken_sibling_resampling_is_caught(stories, monkeypatch):
+    monkeypatch.setattr(tree_module, "residual_distribution", broken_residual)
+    counts, expected = eagle_statistics(stories)
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) > tv_bound(len(expected), n)
+
+
+# ---- configuration ---------------------------------------------------------------------------------------------
+
+def test_model_yaml_eagle_spellings(tmp_path):
+    def parse(body: str) -> DeploymentConfig:
+        path = tmp_path / "model.yaml"
+        path.write_text("model: m\nspeculative_config:\n" + body)
+        return load_model_yaml(path)
+
+    static = parse("  decoding_type: Eagle\n  max_draft_len: 5\n  speculative_model: h\n"
+                   "  eagle_choices: [[0], [0, 0]]\n")
+    assert (static.method, static.max_draft_len, static.eagle_choices) == ("eagle", 5, [[0], [0, 0]])
+    repo = parse("  decoding_type: Eagle\n  speculative_model: h\n  top_k: 10\n  depth: 5\n  total_token: 60\n")
+    assert (repo.method, repo.top_k, repo.max_draft_len, repo.total_tokens) == ("eagle2", 10, 6, 59)
+    trt = parse("  decoding_type: Eagle3\n  speculative_model: h\n  num_eagle_layers: 4\n"
+                "  max_non_leaves_per_layer: 6\n  max_total_draft_tokens: 30\n  eagle3_layers_to_capture: [1, 3, 5]\n")
+    assert (trt.method, trt.max_draft_len, trt.top_k, trt.total_tokens, trt.eagle3_layers) == \
+        ("eagle3", 4, 6, 30, [1, 3, 5])
+    assert parse("  decoding_type: Eagle\n  use_dynamic_tree: true\n").method == "eagle2"
+    with pytest.raises(ConfigError, match="eagle3_layers_to_capture"):
+        parse("  decoding_type: Eagle3\n  eagle3_layers_to_capture: [1]\n")
+    with pytest.raises(ConfigError, match="top_k"):
+        parse("  decoding_type: Eagle3\n  top_k: 0\n")
+
+
+def test_eagle_method_rejects_bad_budget(loaded):
+    target = loaded("llama")
+    with pytest.raises(ValueError, match="top_k"):
+        EagleMethod(new_eagle_head(target.model.spec, "eagle"), target.model, "eagle2", 3, top_k=0)
+
+
+def test_eagle3_from_model_yaml_through_the_cli(loaded, checkpoint, tmp_path):
+    from typer.testing import CliRunner
+
+    from specserve.cli import app
+    target = loaded("qwen3")
+    head = save_random(target, "eagle3", tmp_path / "head")
+    yaml_file = tmp_path / "model.yaml"
+    yaml_file.write_text(f"model: {checkpoint('qwen3')}\ndtype: float32\nspeculative_config:\n"
+                         f"  decoding_type: Eagle3\n  max_draft_len: 3\n  speculative_model: ./head\n"
+                         f"  adaptive_draft_len: false\n  top_k: 4\n  total_token: 13\n")
+    out = CliRunner().invoke(app, ["generate", PROMPTS[0], "--model", str(yaml_file), "--max-tokens", "20", "--json"])
+    result = json.loads(out.stdout)
+    plain = Engine(target).generate(PROMPTS[0], SamplingParams(max_tokens=20))
+    assert result["method"] == "eagle3" and result["text"] == plain.text and result["lossless"]
+    assert result["metrics"]["total_draft_tokens"] > 0
+
+
+def test_target_cache_after_many_tree_steps_equals_plain_prefill(stories):
+    """The accepted paths are compacted in place: after a whole generation the target's cache holds exactly the
+    keys and values a plain forward over the same committed tokens computes."""
+    from specserve.models.kv_cache import KVCache
+
+    target, heads = stories
+    engine = engine_for(target, "eagle3", heads["eagle3"], 5)
+    seq = engine.new_sequence(HELD_OUT[2], SamplingParams(max_tokens=50), 200)
+    cache = KVCache.for_model(target.model, 1, 200)
+    accepted = 0
+    while not seq.finished:
+        seq.draft(5)
+        engine.forward(cache, [seq])
+        accepted = seq.metrics.total_accepted_draft_tokens
+    assert accepted > 5
+    committed = seq.tokens
+    assert int(cache.lengths[0]) == len(committed)
+    fresh = KVCache.for_model(target.model, 1, len(committed))
+    positions = torch.arange(len(committed))[None]
+    target.model(torch.tensor([committed]), positions, fresh, positions)
+    for layer in range(target.model.spec.num_layers):
+        for ours, plain in ((cache.keys[layer], fresh.keys[layer]), (cache.values[layer], fresh.values[layer])):
+            torch.testing.assert_close(ours[0, :, : len(committed)], plain[0, :, : len(committed)],
+                                       atol=1e-5, rtol=1e-4)

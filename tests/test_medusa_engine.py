@@ -1,0 +1,115 @@
+"""Medusa tree speculation through the engine: greedy output equals plain decoding for every family, batched or
+alone, and sampling keeps the target's distribution (the broken-verifier control for tree sampling is in
+tests/test_tree.py, where its bias is large enough to show at this sample size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.batch import BatchEngine
+from specserve.engine.engine import Engine
+from specserve.spec.medusa import MedusaHeads
+from specserve.spec.proposers import MedusaMethod
+from specserve.spec.sampling import SamplingParams
+from tests.test_batching import run_batched
+from tests.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
+
+PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
+SMALL_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2], [0, 0, 0, 0]]
+
+
+def random_heads(model, seed: int = 0, num_heads: int = 4) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(model.spec.hidden_size, model.spec.vocab_size, num_heads)
+    with torch.no_grad():  # an lm_head copy per head, so candidates overlap the target's choices sometimes
+        for head in heads.heads:
+            head[-1].weight.copy_(model.lm_head_weight.float() + 0.3 * torch.randn_like(head[-1].weight))
+    return heads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("max_draft_len", [1, 2, 4])
+def test_medusa_greedy_equals_plain(family, max_draft_len, loaded):
+    target = loaded(family)
+    method = MedusaMethod(random_heads(target.model), SMALL_CHOICES)
+    params = SamplingParams(max_tokens=30)
+    drafted = 0
+    for prompt in PROMPTS:
+        want = Engine(target).generate(prompt, params)
+        got = Engine(target, method, max_draft_len).generate(prompt, params)
+        assert got.token_ids == want.token_ids and got.text == want.text, (family, prompt)
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
+
+
+def test_medusa_with_the_default_tree_and_batching(loaded):
+    target = loaded("llama")
+    engine = Engine(target, MedusaMethod(random_heads(target.model)), 4)  # mc_sim_7b_63: 64 nodes
+    requests = [(PROMPTS[i % 3], SamplingParams(max_tokens=6 + 4 * i)) for i in range(6)]
+    alone = [Engine(target).generate(p, params) for p, params in requests]
+    batched = run_batched(BatchEngine(engine, max_batch_size=3), requests)
+    assert [batched[i].token_ids for i in range(6)] == [r.token_ids for r in alone]
+
+
+def medusa_statistics(loaded):
+    target = loaded("llama")
+    return sample_three_tokens(Engine(target, MedusaMethod(random_heads(target.model, 1, 2),
+                                                           [[0], [1], [0, 0], [1, 0]]), 2))
+
+
+def test_medusa_sampling_keeps_target_distribution(loaded):
+    counts, expected = medusa_statistics(loaded)
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+
+
+
+def test_medusa_from_model_yaml_and_cli(loaded, checkpoint, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from specserve.cli import app
+    from specserve.spec.medusa import save_medusa
+    target = loaded("qwen2")
+    heads = save_medusa(random_heads(target.model, num_heads=3), tmp_path / "heads")
+    yaml_file = tmp_path / "model.yaml"
+    yaml_file.write_text(f"model: {checkpoint('qwen2')}\ndtype: float32\nspeculative_config:\n  decoding_type: Medusa\n"
+                         f"  max_draft_len: 3\n  speculative_model: {heads}\n  medusa_choices: {SMALL_CHOICES}\n")
+    runner = CliRunner()
+    spec = json.loads(runner.invoke(app, ["generate", PROMPTS[0], "--model", str(yaml_file), "--max-tokens", "20",
+                                          "--json"]).stdout)
+    plain = Engine(target).generate(PROMPTS[0], SamplingParams(max_tokens=20))
+    assert spec["method"] == "medusa" and spec["text"] == plain.text
+    assert spec["metrics"]["total_draft_tokens"] > 0
+    other = tmp_path / "wrong"
+    save_medusa(MedusaHeads(32, 384, 2), other)  # trained for another hidden size
+    result = runner.invoke(app, ["generate", "hi", "--model", checkpoint("qwen2"), "--method", "medusa",
+                                 "--draft-model", str(other), "--dtype", "float32"])
+    assert result.exit_code == 2 and "hidden" in result.output
+
+
+def test_typical_acceptance_is_opt_in_and_reported_lossy(loaded, checkpoint, tmp_path):
+    from specserve.config import build_engine, load_model_yaml
+    from specserve.spec.medusa import save_medusa
+    from specserve.spec.tree import DraftTree, verify_tree_typical
+
+    # unit: a child is accepted when its token's probability clears min(threshold, alpha * exp(-entropy))
+    tree = DraftTree(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))
+    logits = torch.log(torch.tensor([[0.05, 0.02, 0.93, 0.0], [0.25] * 4, [0.25] * 4]) + 1e-9)
+    verdict = verify_tree_typical(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), 0.09, 0.3)
+    assert verdict.nodes == [2]  # limit min(0.09, 0.3 * e^-H) = 0.09: token 1 (0.02) fails, token 2 (0.93) passes
+    strict = verify_tree_typical(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), 0.95, 5.0)
+    assert strict.nodes == [] and strict.accepted == 0
+    target = loaded("qwen2")
+    heads = save_medusa(random_heads(target.model, num_heads=2), tmp_path / "heads")
+    yaml_file = tmp_path / "model.yaml"
+    yaml_file.write_text(f"model: {checkpoint('qwen2')}\ndtype: float32\nspeculative_config:\n  decoding_type: Medusa\n"
+                         f"  max_draft_len: 2\n  speculative_model: {heads}\n  typical_acceptance: true\n")
+    engine = build_engine(load_model_yaml(yaml_file), target)
+    assert not engine.lossless and Engine(target).lossless
+    params = SamplingParams(max_tokens=20)
+    assert engine.generate(PROMPTS[0], params).token_ids == Engine(target).generate(PROMPTS[0], params).token_ids
+    sampled = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=3))
+    assert len(sampled.token_ids) > 0

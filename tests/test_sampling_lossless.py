@@ -1,0 +1,131 @@
+"""Statistical losslessness of speculative sampling, and a deliberately broken verifier that must fail it.
+
+Bound: for N samples over V outcomes, P(||p_hat - p||_1 > eps) <= 2^V exp(-N eps^2 / 2), so with probability
+1 - delta the total variation is below sqrt(2 (V ln 2 + ln(1/delta)) / N) / 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import specserve.spec.verify as verify_module
+from specserve.engine.engine import Engine
+from specserve.models.kv_cache import KVCache
+from specserve.spec.proposers import DraftModelMethod
+from specserve.spec.sampling import SamplingParams, probabilities, sample
+from specserve.spec.verify import verify_sampling
+
+DELTA = 1e-4
+
+
+def tv_bound(outcomes: int, samples: int) -> float:
+    return math.sqrt(2 * (outcomes * math.log(2) + math.log(1 / DELTA)) / samples) / 2
+
+
+def total_variation(counts: Counter, expected: dict, samples: int) -> float:
+    keys = set(counts) | set(expected)
+    return 0.5 * sum(abs(counts.get(k, 0) / samples - expected.get(k, 0.0)) for k in keys)
+
+
+def broken_residual(p, q):
+    return p  # resamples from p instead of norm(max(0, p - q)): biased towards the draft
+
+
+def chain_statistics(deterministic: bool, samples: int = 20000):
+    """Verify drafts of a K=3 chain with prefix-independent target rows p_i and draft rows q_i (V=6)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, k = 6, 3
+    p_logits = torch.randn(k + 1, vocab, generator=gen) * 1.5
+    q_logits = torch.randn(k, vocab, generator=gen) * 1.5
+    params = SamplingParams(temperature=1.0)
+    p, q = probabilities(p_logits, params), probabilities(q_logits, params)
+    first, second = Counter(), Counter()
+    for _ in range(samples):
+        draft = [int(t) for t in sample(q, gen)]
+        if deterministic:  # an n-gram-like fixed draft: the likeliest tokens, so some get accepted
+            draft = p[:k].argmax(-1).tolist()
+        verdict = verify_sampling(draft, None if deterministic else q, p_logits, params, gen)
+        first[verdict.tokens[0]] += 1
+        if verdict.accepted >= 1:
+            second[verdict.tokens[1]] += 1
+    return p, first, second
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_chain_verifier_keeps_target_distribution(deterministic):
+    p, first, second = chain_statistics(deterministic)
+    n_first, n_second = sum(first.values()), sum(second.values())
+    assert n_second > 1000
+    assert total_variation(first, dict(enumerate(p[0].tolist())), n_first) < tv_bound(6, n_first)
+    assert total_variation(second, dict(enumerate(p[1].tolist())), n_second) < tv_bound(6, n_second)
+
+
+def test_broken_verifier_fails_the_same_test(monkeypatch):
+    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    p, first, _ = chain_statistics(False)
+    n = sum(first.values())
+    assert total_variation(first, dict(enumerate(p[0].tolist())), n) > tv_bound(6, n)
+
+
+def exact_joint(target, prompt_ids: list[int], params: SamplingParams, length: int) -> dict:
+    """P(first `length` generated tokens) under the target alone, by enumerating its top-k support."""
+    def dist(ids):
+        cache = KVCache.for_model(target.model, 1, len(ids) + 1)
+        pos = torch.arange(len(ids))[None]
+        return probabilities(target.model(torch.tensor([ids]), pos, cache, pos).logits[0, -1:], params)[0]
+
+    joint = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, prob in joint.items():
+            d = dist(prompt_ids + list(prefix))
+            for token in d.nonzero().flatten().tolist():
+                grown[prefix + (token,)] = prob * float(d[token])
+        joint = grown
+    return joint
+
+
+def perturbed_copy(model, scale: float):
+    """A draft that agrees with the target often but not always, so rejections and resampling both happen."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std())
+    return draft
+
+
+def sample_three_tokens(engine: Engine, samples: int = 2500):
+    """Counts of the first three generated tokens over `samples` seeds, and their exact target probabilities."""
+    target = engine.target
+    prompt_ids = engine.encode("Once upon a time")
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    counts = Counter()
+    for seed in range(samples):
+        params.seed = seed
+        counts[tuple(engine.generate(prompt_ids, params).token_ids)] += 1
+    return counts, exact_joint(target, prompt_ids, params, 3)
+
+
+def engine_statistics(loaded):
+    target = loaded("llama")
+    draft = perturbed_copy(target.model, 0.5)
+    return sample_three_tokens(Engine(target, DraftModelMethod(draft, target.model.spec.vocab_size), 3))
+
+
+def test_engine_sampling_keeps_target_distribution(loaded):
+    counts, expected = engine_statistics(loaded)
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+
+
+def test_engine_with_broken_verifier_fails(loaded, monkeypatch):
+    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    counts, expected = engine_statistics(loaded)
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) > tv_bound(len(expected), n)

@@ -1,0 +1,72 @@
+"""Training on the shared TinyStories model: each trainer drives its loss down and beats its untrained start on
+held-out prompts, writes a head the normal loaders read, resumes bit-exactly, and refuses mismatched state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.train.data import build_dataset
+from specserve.train.heads import TrainSettings, build_module, train, write_head
+from specserve.train.run import evaluate
+from tests.conftest import STORY_HELD_OUT
+
+STEPS = {"eagle3": 120, "eagle": 120, "medusa": 80, "draft": 80}
+
+
+def settings_for(kind: str, steps: int | None = None, **overrides) -> TrainSettings:
+    values = dict(kind=kind, steps=steps or STEPS[kind], batch_size=8, seq_len=80, draft_vocab_size=256, lr=3e-3,
+                  warmup=10, save_every=1000)
+    return TrainSettings(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle", "medusa", "draft"])
+def test_training_lowers_loss_and_raises_tau(kind, story_data, tmp_path):
+    target, data, records, _ = story_data
+    settings = settings_for(kind)
+    untrained = build_module(settings, target, records, data.aux_layer_ids).float().eval()
+    write_head(untrained, settings, target, tmp_path / "untrained")
+    train(settings, target, records, tmp_path / "trained", data.aux_layer_ids, progress=False)
+    history = json.loads((tmp_path / "trained" / "train_history.json").read_text())
+    first = sum(h["loss"] for h in history[:5]) / 5
+    last = sum(h["loss"] for h in history[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    before = evaluate(target, kind, tmp_path / "untrained", STORY_HELD_OUT, max_tokens=48, max_draft_len=4)
+    after = evaluate(target, kind, tmp_path / "trained", STORY_HELD_OUT, max_tokens=48, max_draft_len=4)
+    assert after["outputs_equal_plain"] == before["outputs_equal_plain"] == len(STORY_HELD_OUT)
+    assert after["tau"] > before["tau"] + 0.3, (before["tau"], after["tau"])
+
+
+def test_resume_continues_bit_exactly(story_data, tmp_path):
+    target, data, records, _ = story_data
+    straight = train(settings_for("eagle3", 12, save_every=6), target, records, tmp_path / "a", data.aux_layer_ids,
+                     progress=False)
+    train(settings_for("eagle3", 6, save_every=6), target, records, tmp_path / "b", data.aux_layer_ids,
+          progress=False)  # an interrupted run: its checkpoint is at step 6
+    resumed = train(settings_for("eagle3", 12, save_every=6), target, records, tmp_path / "b", data.aux_layer_ids,
+                    progress=False)
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
+    assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_resume_refuses_other_settings_or_target(story_data, loaded, tmp_path):
+    target, data, records, _ = story_data
+    train(settings_for("eagle3", 2), target, records, tmp_path / "h", data.aux_layer_ids, progress=False)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        train(settings_for("eagle3", 4, **{"draft_vocab_size": 128}), target, records, tmp_path / "h",
+              data.aux_layer_ids, progress=False)
+    other = loaded("llama")  # another hidden size and vocabulary
+    other_records = [{"tokens": r["tokens"] % 384, "labels": r["labels"] % 384,
+                      "final": torch.zeros(r["tokens"].numel(), 64, dtype=torch.bfloat16),
+                      "aux": torch.zeros(r["tokens"].numel(), 192, dtype=torch.bfloat16)} for r in records[:4]]
+    with pytest.raises(ValueError, match="shapes"):
+        train(settings_for("eagle3", 4), other, other_records, tmp_path / "h", [1, 1, 1], progress=False)
+
+
+def test_data_directory_refuses_another_target(story_data, loaded):
+    _, _, _, directory = story_data
+    with pytest.raises(ValueError, match="other settings"):
+        build_dataset(loaded("llama"), ["Once upon a time"], directory, max_tokens=64)
