@@ -9,6 +9,7 @@ SPECSERVE_NO_KERNELS=1 is set, it returns False and `unavailable_reason` says wh
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import threading
@@ -44,10 +45,15 @@ def _build():
     build_dir = Path(get_default_build_root()) / abi / NAME
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{NAME}.so"
-    if not built.exists() or built.stat().st_mtime < SOURCE.stat().st_mtime:
-        print("specserve: compiling CPU kernels (once) ...", file=sys.stderr, flush=True)
-    return load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    # torch's own build lock is a plain file that a killed build leaves behind, after which every later load
+    # waits on it forever. An flock dies with its process: hold one while building and clear a stale torch lock.
+    with open(build_dir / "specserve.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        if not built.exists() or built.stat().st_mtime < SOURCE.stat().st_mtime:
+            print("specserve: compiling CPU kernels (once) ...", file=sys.stderr, flush=True)
+        return load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _load():

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,14 +64,16 @@ class Process:
     def __init__(self, *args: str, timeout: float):
         self.http_port, self.metrics_port = free_port(), free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        # A file, not a pipe: nobody reads the server's output while it runs, and a full pipe would block it.
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specserve.cli", "serve", *args, "--http-port", str(self.http_port),
              "--metrics-port", str(self.metrics_port), "--host", "127.0.0.1", "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.output()}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.http_port}/v2/health/ready", timeout=2).status_code == 200:
                     return
@@ -78,7 +81,11 @@ class Process:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise AssertionError("server did not become ready")
+        raise AssertionError(f"server did not become ready in {timeout} s: {self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
 
     @property
     def host_port(self) -> str:
