@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -22,6 +23,18 @@ USER_ERRORS = (ConfigError, ModelLoadError, RequestError)
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def check_output_file(path: Path | None) -> None:
+    """Fail before a long run, not after it, when its result file cannot be written (missing folders are made)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc}")
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        fail(f"cannot write {path}: a folder, or not writable")
 
 
 def deployment_config(model: str | None, method: str | None, draft_model: str | None, max_draft_len: int | None,
@@ -123,6 +136,7 @@ def bench(
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
     from specserve.bench.offline import HF_METHODS, format_table, load_prompts, run_bench
 
+    check_output_file(json_file)
     try:
         names = [m.strip() for m in methods.split(",") if m.strip()]
         names = [m if m in HF_METHODS else method_name(m) for m in names]

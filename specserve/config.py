@@ -229,7 +229,7 @@ def build_eagle(config: DeploymentConfig, target: LoadedModel):
             raise ValueError(f"EAGLE-3 target layers {aux} must lie in 1..{spec.num_layers}")
         static = config.method == "eagle" or config.eagle_choices is not None
         choices = (config.eagle_choices or DEFAULT_CHOICES) if static else None
-        verify_seconds = target_verify_seconds(target) if config.adaptive_draft_len and not static else None
+        verify_seconds = target_verify_seconds(target) if config.adaptive_draft_len else None
         return EagleMethod(head, target.model, config.method, config.max_draft_len, top_k=config.top_k,
                            total_tokens=config.total_tokens, choices=choices, aux_layer_ids=aux,
                            verify_seconds=verify_seconds)
@@ -250,12 +250,14 @@ def target_verify_seconds(target: LoadedModel):
 
     from specserve.engine.batch import StepCosts
     from specserve.engine.engine import Engine
+    from specserve.models import cpu_kernels
     from specserve.models.loader import cache_root
 
     if id(target.model) in _VERIFY_COSTS:
         return _VERIFY_COSTS[id(target.model)]
     key = f"{Path(target.path).resolve()}|{target.model.dtype}|{platform.processor() or platform.machine()}|" \
-          f"{torch.get_num_threads()}|{torch.__version__}|{target.model.kernels_usable}"
+          f"{torch.get_num_threads()}|{torch.__version__}|{target.model.kernels_usable}|" \
+          f"{cpu_kernels.f32_linear_available()}"
     file = cache_root() / "verify_costs.json"
     try:
         table = json.loads(file.read_text()) if file.exists() else {}

@@ -44,7 +44,7 @@ def test_generate_from_model_yaml_equals_plain(checkpoint, tmp_path):
 def test_bench_writes_the_contract(checkpoint, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text('{"turns": ["def add(a, b):"]}\n{"text": "Once upon a time"}\n')
-    out = tmp_path / "bench.json"
+    out = tmp_path / "not-yet" / "bench.json"  # missing folders are made
     result = invoke("bench", "--dataset", data, "--methods", "ar,ngram,hf,hf-pld", "--num-prompts", 2,
                     "--max-tokens", 12, "--model", checkpoint("llama"), "--dtype", "float32", "--json", out)
     assert result.exit_code == 0, result.output
@@ -110,3 +110,9 @@ def test_bench_bad_dataset(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     result = invoke("bench", "--dataset", tmp_path / "empty.jsonl", "--model", tmp_path)
     assert result.exit_code == 2 and "no prompts" in result.output
+
+
+def test_bench_refuses_an_unwritable_result_file_before_running(tmp_path):
+    (tmp_path / "q.jsonl").write_text('{"text": "hi"}\n')
+    result = invoke("bench", "--dataset", tmp_path / "q.jsonl", "--model", tmp_path / "no-model", "--json", tmp_path)
+    assert result.exit_code == 2 and "cannot write" in result.output

@@ -171,6 +171,26 @@ def test_trained_head_accepts_paths_and_stays_exact(stories, method):
     assert tokens / forwards > 1.8  # tau: paths several nodes deep are accepted
 
 
+def test_static_tree_budget_cuts_the_tree_and_stays_exact(stories):
+    """With measured costs a static tree is cut to its most probable closed subtree: exact, fewer nodes."""
+    target, heads = stories
+    full = engine_for(target, "eagle", heads["eagle"], 5)
+    cut = engine_for(target, "eagle", heads["eagle"], 5)
+    cut.method.verify_seconds = lambda n: 1.0 + 0.1 * n  # every verified node costs a tenth of a plain step
+    params = SamplingParams(max_tokens=60)
+    stats = {}
+    for name, engine in (("full", full), ("cut", cut)):
+        drafted = forwards = tokens = 0
+        for prompt in HELD_OUT:
+            got = engine.generate(prompt, params)
+            assert got.token_ids == Engine(target).generate(prompt, params).token_ids, name
+            drafted, forwards = drafted + got.metrics.total_draft_tokens, forwards + got.metrics.target_forwards
+            tokens += got.metrics.output_tokens
+        stats[name] = (drafted / forwards, tokens / forwards)
+    assert 0 < stats["cut"][0] < stats["full"][0] / 3  # far fewer nodes a step (mc_sim_7b_63 drafts up to 63)
+    assert stats["cut"][1] > 1.5  # still accepting paths
+
+
 def test_stop_tokens_and_strings_inside_accepted_paths(stories):
     target, heads = stories
     engine = engine_for(target, "eagle3", heads["eagle3"], 5)

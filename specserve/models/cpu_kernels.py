@@ -5,6 +5,9 @@ Speculative decoding is only lossless if a token's logits don't depend on how ma
 that. The kernels in `specserve/csrc/cpu_kernels.cpp` compute every output element with one fixed sequence of
 fp32 operations. `available()` never raises: when the build fails, the CPU lacks AVX-512 or
 SPECSERVE_NO_KERNELS=1 is set, it returns False and `unavailable_reason` says why.
+
+`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the lm_head of fp32 models, the
+dtype chosen on CPUs without AVX-512: row-invariant, and it reads the weight once for all rows of a step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 
 NAME = "specserve_cpu_kernels"
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
+F32_NAME = "specserve_f32_linear"
+F32_SOURCE = SOURCE.with_name("f32_linear.cpp")
 
 unavailable_reason: str | None = None
 _ext = None
@@ -37,23 +42,27 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build():
+def _compile(name: str, source: Path, flags: list[str]):
     from torch.utils.cpp_extension import get_default_build_root, load
 
     # The .so is tied to the Python and torch it was built against.
     abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    build_dir = Path(get_default_build_root()) / abi / NAME
+    build_dir = Path(get_default_build_root()) / abi / name
     build_dir.mkdir(parents=True, exist_ok=True)
-    built = build_dir / f"{NAME}.so"
+    built = build_dir / f"{name}.so"
     # torch's own build lock is a plain file that a killed build leaves behind, after which every later load
     # waits on it forever. An flock dies with its process: hold one while building and clear a stale torch lock.
     with open(build_dir / "specserve.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        if not built.exists() or built.stat().st_mtime < SOURCE.stat().st_mtime:
-            print("specserve: compiling CPU kernels (once) ...", file=sys.stderr, flush=True)
-        return load(name=NAME, sources=[str(SOURCE)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        if not built.exists() or built.stat().st_mtime < source.stat().st_mtime:
+            print(f"specserve: compiling {name} (once) ...", file=sys.stderr, flush=True)
+        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                    extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _build():
+    return _compile(NAME, SOURCE, ["-march=native"])
 
 
 def _load():
@@ -62,16 +71,51 @@ def _load():
     with _lock:
         if not _tried:
             _tried = True
-            if os.environ.get("SPECSERVE_NO_KERNELS") == "1":
-                unavailable_reason = "disabled by SPECSERVE_NO_KERNELS=1"
-            elif "avx512f" not in _cpu_flags():
-                unavailable_reason = "AVX-512F is not listed in /proc/cpuinfo"
-            else:
-                try:
-                    _ext = _build()
-                except Exception as exc:  # a missing compiler, a failed build: fall back, never crash the server
-                    unavailable_reason = f"building the CPU kernels failed: {exc}"
+            _ext, unavailable_reason = _try_build(_build, "avx512f")
         return _ext
+
+
+def _try_build(build, cpu_flag: str):
+    """(extension, None) or (None, why not); never raises: a missing compiler or CPU feature means fall back."""
+    if os.environ.get("SPECSERVE_NO_KERNELS") == "1":
+        return None, "disabled by SPECSERVE_NO_KERNELS=1"
+    if cpu_flag not in _cpu_flags():
+        return None, f"{cpu_flag} is not listed in /proc/cpuinfo"
+    try:
+        return build(), None
+    except Exception as exc:  # a missing compiler, a failed build: fall back, never crash the server
+        return None, f"building the CPU kernels failed: {exc}"
+
+
+_f32 = None
+_f32_tried = False
+f32_unavailable_reason: str | None = None
+
+
+def _load_f32():
+    global _f32, _f32_tried, f32_unavailable_reason
+    with _lock:
+        if not _f32_tried:
+            _f32_tried = True
+            if "fma" not in _cpu_flags():
+                f32_unavailable_reason = "fma is not listed in /proc/cpuinfo"
+            else:
+                _f32, f32_unavailable_reason = _try_build(
+                    lambda: _compile(F32_NAME, F32_SOURCE, ["-mavx2", "-mfma"]), "avx2")
+        return _f32
+
+
+def f32_linear_available() -> bool:
+    return _load_f32() is not None
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias for fp32 x [..., K] and weight [N, K] (AVX2 + FMA); row m depends only on x[m]."""
+    ext = _load_f32()
+    if ext is None:
+        raise RuntimeError(f"specserve fp32 kernel unavailable: {f32_unavailable_reason}")
+    y = ext.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def available() -> bool:

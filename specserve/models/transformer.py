@@ -22,6 +22,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
 # row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
 MAX_KERNEL_TOKENS = 64
+# fp32 lm_heads at least this big go through the AVX2 kernel (a real model's vocabulary; tiny test models keep
+# PyTorch's GEMM, which the tests compare with transformers bit for bit).
+F32_HEAD_KERNEL_MIN_WEIGHTS = 1 << 22
 
 
 def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -334,10 +337,18 @@ class CausalLM(nn.Module):
                                     and cpu_kernels.available())
         return self._kernels_usable
 
+    @staticmethod
+    def _f32_head_kernel(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and hidden.dtype == torch.float32
+                and weight.numel() >= F32_HEAD_KERNEL_MIN_WEIGHTS and not torch.is_grad_enabled()
+                and hidden.numel() // hidden.shape[-1] <= MAX_KERNEL_TOKENS and cpu_kernels.f32_linear_available())
+
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
         if row_invariant:
             logits = cpu_kernels.small_linear(hidden, weight, out_fp32=True)
+        elif self._f32_head_kernel(weight, hidden):
+            logits = cpu_kernels.f32_linear(hidden, weight)
         else:
             logits = F.linear(hidden, weight).float()
         cap = self.spec.final_logit_softcapping

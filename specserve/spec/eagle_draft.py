@@ -38,7 +38,7 @@ class EagleMethod(SpecMethod):
                  verify_seconds: Callable[[int], float] | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
-        hardware-aware budget. `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers)."""
+        hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree). `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers)."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
         self.name = name
@@ -247,7 +247,7 @@ class EagleProposer(Proposer):
     def _best_budget(self, nodes: Nodes) -> tuple[list[int], float]:
         """The best nodes to verify and the expected tokens per second of verifying them."""
         ranked = sorted(range(1, len(nodes.tokens)), key=lambda n: (-nodes.scores[n], nodes.depths[n]))
-        limit = min(len(ranked), self.m.total_tokens)
+        limit = len(ranked) if self.m.choices is not None else min(len(ranked), self.m.total_tokens)
         if self.m.verify_seconds is None:
             return ranked[:limit], 0.0
         c = self._calibration()
@@ -266,7 +266,8 @@ class EagleProposer(Proposer):
         return gain / self.level_seconds > rate
 
     def _select(self, nodes: Nodes) -> list[int]:
-        if self.m.choices is not None:
+        """The nodes to verify: all of a static tree, or (with measured costs) the budget's best closed subtree."""
+        if self.m.choices is not None and self.m.verify_seconds is None:
             return list(range(1, len(nodes.tokens)))
         keep = set(self._best_budget(nodes)[0])
         # a child never outscores its parent, but ties could break the other way: keep the tree closed
