@@ -1,4 +1,4 @@
-"""The AVX2 fp32 lm_head kernel: accurate, bit-exact whatever the other rows, and lossless inside the engine."""
+"""The AVX2 fp32 linear kernel: accurate, bit-exact whatever the other rows, and lossless inside the engine."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_batched_leading_dims_are_kept():
 
 
 def test_engine_with_the_kernel_head_is_lossless(loaded, monkeypatch):
-    monkeypatch.setattr(transformer, "F32_HEAD_KERNEL_MIN_WEIGHTS", 0)  # the tiny model's head takes the kernel
+    monkeypatch.setattr(transformer, "F32_KERNEL_MIN_WEIGHTS", 0)  # the tiny model's linears take the kernel
     target = loaded("gemma3")
     calls = []
     real = ck.f32_linear

@@ -2,7 +2,7 @@
 //
 // Used for the lm_head of fp32 models: PyTorch's fp32 GEMM reaches ~13 GB/s on a 262k-row lm_head here and gets
 // slower per row as rows are added (a verify step of 8 tokens cost ~3x one token). This kernel reads each weight
-// row once for all x rows (up to 4 at a time in registers), so a step's cost barely grows with its token count,
+// row once for all x rows (up to 6 at a time in registers), so a step's cost barely grows with its token count,
 // and every output element is one fixed sequence of fp32 operations: 8-lane FMAs over k in steps of 8, a fixed
 // lane-sum tree, a scalar tail in k order, then the bias. The result of row m never depends on the other rows.
 
@@ -45,25 +45,34 @@ void tile(const float* const* x, const float* const* w, int64_t K, float* const*
     }
 }
 
+template <int MR, int NR>
+void rows_tile(const float* xd, int64_t m, const float* const* w, int64_t n0, int64_t K, float* yd, int64_t N) {
+  const float* x[MR];
+  float r[MR][NR];
+  float* o[MR];
+  for (int i = 0; i < MR; ++i) x[i] = xd + (m + i) * K, o[i] = r[i];
+  tile<MR, NR>(x, w, K, o);
+  for (int i = 0; i < MR; ++i)
+    for (int n = 0; n < NR; ++n) yd[(m + i) * N + n0 + n] = r[i][n];
+}
+
+// All x rows against NR weight rows: up to 6 x rows per pass (12 accumulators + 3 loads fit AVX2's 16 registers),
+// so a verify step of up to 6 tokens reads each weight row from memory once and runs it once.
 template <int NR>
 void rows_block(const float* xd, int64_t M, const float* wd, int64_t n0, int64_t K, float* yd, int64_t N) {
   const float* w[NR];
   for (int n = 0; n < NR; ++n) w[n] = wd + (n0 + n) * K;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) {
-    const float* x[4] = {xd + m * K, xd + (m + 1) * K, xd + (m + 2) * K, xd + (m + 3) * K};
-    float r[4][NR];
-    float* o[4] = {r[0], r[1], r[2], r[3]};
-    tile<4, NR>(x, w, K, o);
-    for (int i = 0; i < 4; ++i)
-      for (int n = 0; n < NR; ++n) yd[(m + i) * N + n0 + n] = r[i][n];
-  }
-  for (; m < M; ++m) {
-    const float* x[1] = {xd + m * K};
-    float r[NR];
-    float* o[1] = {r};
-    tile<1, NR>(x, w, K, o);
-    for (int n = 0; n < NR; ++n) yd[m * N + n0 + n] = r[n];
+  for (int64_t m = 0; m < M;) {
+    const int64_t rows = std::min<int64_t>(6, M - m);
+    switch (rows) {
+      case 6: rows_tile<6, NR>(xd, m, w, n0, K, yd, N); break;
+      case 5: rows_tile<5, NR>(xd, m, w, n0, K, yd, N); break;
+      case 4: rows_tile<4, NR>(xd, m, w, n0, K, yd, N); break;
+      case 3: rows_tile<3, NR>(xd, m, w, n0, K, yd, N); break;
+      case 2: rows_tile<2, NR>(xd, m, w, n0, K, yd, N); break;
+      default: rows_tile<1, NR>(xd, m, w, n0, K, yd, N); break;
+    }
+    m += rows;
   }
 }
 

@@ -22,9 +22,17 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
 # row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
 MAX_KERNEL_TOKENS = 64
-# fp32 lm_heads at least this big go through the AVX2 kernel (a real model's vocabulary; tiny test models keep
-# PyTorch's GEMM, which the tests compare with transformers bit for bit).
-F32_HEAD_KERNEL_MIN_WEIGHTS = 1 << 22
+# fp32 weights at least this big go through the AVX2 kernel when a forward has few rows (there it beats PyTorch's
+# GEMM at every size of a real model's layers and lm_head); tiny test models keep PyTorch's GEMM, which the tests
+# compare with transformers bit for bit.
+F32_KERNEL_MIN_WEIGHTS = 1 << 18
+F32_KERNEL_MAX_ROWS = {"layer": 16, "lm_head": MAX_KERNEL_TOKENS}
+
+
+def f32_kernel_fits(weight: torch.Tensor, x: torch.Tensor, max_rows: int) -> bool:
+    return (weight.dtype == torch.float32 and x.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.numel() >= F32_KERNEL_MIN_WEIGHTS and x.numel() // x.shape[-1] <= max_rows
+            and not torch.is_grad_enabled() and cpu_kernels.f32_linear_available())
 
 
 def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -45,6 +53,8 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 def linear(x: torch.Tensor, layer: nn.Linear, row_invariant: bool) -> torch.Tensor:
     if row_invariant:
         return cpu_kernels.small_linear(x, layer.weight, layer.bias)
+    if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_ROWS["layer"]):
+        return cpu_kernels.f32_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
@@ -337,17 +347,11 @@ class CausalLM(nn.Module):
                                     and cpu_kernels.available())
         return self._kernels_usable
 
-    @staticmethod
-    def _f32_head_kernel(weight: torch.Tensor, hidden: torch.Tensor) -> bool:
-        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and hidden.dtype == torch.float32
-                and weight.numel() >= F32_HEAD_KERNEL_MIN_WEIGHTS and not torch.is_grad_enabled()
-                and hidden.numel() // hidden.shape[-1] <= MAX_KERNEL_TOKENS and cpu_kernels.f32_linear_available())
-
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
         if row_invariant:
             logits = cpu_kernels.small_linear(hidden, weight, out_fp32=True)
-        elif self._f32_head_kernel(weight, hidden):
+        elif f32_kernel_fits(weight, hidden, F32_KERNEL_MAX_ROWS["lm_head"]):
             logits = cpu_kernels.f32_linear(hidden, weight)
         else:
             logits = F.linear(hidden, weight).float()
