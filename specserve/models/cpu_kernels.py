@@ -6,8 +6,8 @@ that. The kernels in `specserve/csrc/cpu_kernels.cpp` compute every output eleme
 fp32 operations. `available()` never raises: when the build fails, the CPU lacks AVX-512 or
 SPECSERVE_NO_KERNELS=1 is set, it returns False and `unavailable_reason` says why.
 
-`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the lm_head of fp32 models, the
-dtype chosen on CPUs without AVX-512: row-invariant, and it reads the weight once for all rows of a step.
+`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the linears of fp32 models, the
+dtype chosen on CPUs without AVX-512: row-invariant, and it reads each weight once for all rows of a step.
 """
 
 from __future__ import annotations
@@ -71,16 +71,17 @@ def _load():
     with _lock:
         if not _tried:
             _tried = True
-            _ext, unavailable_reason = _try_build(_build, "avx512f")
+            _ext, unavailable_reason = _try_build(_build, ("avx512f",))
         return _ext
 
 
-def _try_build(build, cpu_flag: str):
+def _try_build(build, cpu_flags: tuple[str, ...]):
     """(extension, None) or (None, why not); never raises: a missing compiler or CPU feature means fall back."""
     if os.environ.get("SPECSERVE_NO_KERNELS") == "1":
         return None, "disabled by SPECSERVE_NO_KERNELS=1"
-    if cpu_flag not in _cpu_flags():
-        return None, f"{cpu_flag} is not listed in /proc/cpuinfo"
+    missing = [flag for flag in cpu_flags if flag not in _cpu_flags()]
+    if missing:
+        return None, f"{', '.join(missing)} not listed in /proc/cpuinfo"
     try:
         return build(), None
     except Exception as exc:  # a missing compiler, a failed build: fall back, never crash the server
@@ -94,14 +95,13 @@ f32_unavailable_reason: str | None = None
 
 def _load_f32():
     global _f32, _f32_tried, f32_unavailable_reason
+    if _f32_tried:  # asked on every linear of a forward: no lock once decided
+        return _f32
     with _lock:
         if not _f32_tried:
+            _f32, f32_unavailable_reason = _try_build(
+                lambda: _compile(F32_NAME, F32_SOURCE, ["-mavx2", "-mfma"]), ("avx2", "fma"))
             _f32_tried = True
-            if "fma" not in _cpu_flags():
-                f32_unavailable_reason = "fma is not listed in /proc/cpuinfo"
-            else:
-                _f32, f32_unavailable_reason = _try_build(
-                    lambda: _compile(F32_NAME, F32_SOURCE, ["-mavx2", "-mfma"]), "avx2")
         return _f32
 
 

@@ -26,7 +26,7 @@ MAX_KERNEL_TOKENS = 64
 # GEMM at every size of a real model's layers and lm_head); tiny test models keep PyTorch's GEMM, which the tests
 # compare with transformers bit for bit.
 F32_KERNEL_MIN_WEIGHTS = 1 << 18
-F32_KERNEL_MAX_ROWS = {"layer": 16, "lm_head": MAX_KERNEL_TOKENS}
+F32_KERNEL_MAX_LAYER_ROWS = 16  # past this PyTorch's GEMM catches up on the layers' small weights
 
 
 def f32_kernel_fits(weight: torch.Tensor, x: torch.Tensor, max_rows: int) -> bool:
@@ -53,7 +53,7 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 def linear(x: torch.Tensor, layer: nn.Linear, row_invariant: bool) -> torch.Tensor:
     if row_invariant:
         return cpu_kernels.small_linear(x, layer.weight, layer.bias)
-    if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_ROWS["layer"]):
+    if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_LAYER_ROWS):
         return cpu_kernels.f32_linear(x, layer.weight, layer.bias)
     return layer(x)
 
@@ -351,7 +351,7 @@ class CausalLM(nn.Module):
         weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
         if row_invariant:
             logits = cpu_kernels.small_linear(hidden, weight, out_fp32=True)
-        elif f32_kernel_fits(weight, hidden, F32_KERNEL_MAX_ROWS["lm_head"]):
+        elif f32_kernel_fits(weight, hidden, MAX_KERNEL_TOKENS):
             logits = cpu_kernels.f32_linear(hidden, weight)
         else:
             logits = F.linear(hidden, weight).float()
