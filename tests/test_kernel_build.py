@@ -25,3 +25,14 @@ def test_a_stale_torch_build_lock_is_cleared(tmp_path, monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     assert cpu_kernels._build() == "extension"
     assert seen == {"lock_left": False, "build_directory": str(build_dir)}
+
+
+def test_env_var_disables_both_kernels_on_any_cpu(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("SPECSERVE_NO_KERNELS", "1")
+    spec = importlib.util.spec_from_file_location("fresh_cpu_kernels", cpu_kernels.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert not fresh.available() and not fresh.f32_linear_available()
+    assert "SPECSERVE_NO_KERNELS" in fresh.unavailable_reason and "SPECSERVE_NO_KERNELS" in fresh.f32_unavailable_reason
