@@ -38,7 +38,8 @@ class EagleMethod(SpecMethod):
                  verify_seconds: Callable[[int], float] | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
-        hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree). `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers)."""
+        hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
+        `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers)."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
         self.name = name
