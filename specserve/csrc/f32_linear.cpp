@@ -3,8 +3,9 @@
 // Used for the linears of fp32 models in forwards of few tokens: PyTorch's fp32 GEMM reaches ~13 GB/s on a 262k-row
 // lm_head here and gets slower per row as rows are added (a verify step of 8 tokens cost ~3x one token). This
 // kernel reads each weight row once for all x rows (up to 6 at a time in registers), so a step's cost barely grows
-// with its token count, and every output element is one fixed sequence of fp32 operations: 8-lane FMAs over k in steps of 8, a fixed
-// lane-sum tree, a scalar tail in k order, then the bias. The result of row m never depends on the other rows.
+// with its token count, and every output element is one fixed sequence of fp32 operations: 8-lane FMAs over k in
+// steps of 8, a fixed lane-sum tree, a scalar tail in k order, then the bias. The result of row m never depends on
+// the other rows.
 
 #include <torch/extension.h>
 
