@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_name
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_variant
 from specserve.engine.engine import RequestError
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.spec.sampling import SamplingParams
@@ -45,7 +45,9 @@ def deployment_config(model: str | None, method: str | None, draft_model: str | 
         config = load_model_yaml(Path(model))
     else:
         config = DeploymentConfig(model=model or DEFAULT_MODEL)
-    overrides = {"method": method_name(method) if method else None, "speculative_model": draft_model,
+    if method:
+        config.method, config.prompt_lookup_branch = method_variant(method)
+    overrides = {"speculative_model": draft_model,
                  "max_draft_len": max_draft_len, "prompt_lookup_min": prompt_lookup_min,
                  "prompt_lookup_max": prompt_lookup_max, "dtype": dtype}
     for key, value in overrides.items():
@@ -56,9 +58,15 @@ def deployment_config(model: str | None, method: str | None, draft_model: str | 
     return config
 
 
+def method_label(name: str) -> str:
+    """A method name as given -> its canonical spelling (Eagle3+prompt_lookup -> eagle3+ngram)."""
+    method, lookup = method_variant(name)
+    return f"{method}+ngram" if lookup else method
+
+
 MODEL_HELP = f"{DEFAULT_MODEL} (embedded default), a checkpoint directory, a .gguf file or a model.yaml"
-METHOD_HELP = ("ar (plain decoding), ngram, draft_target, medusa, eagle, eagle2 or eagle3; default: the model.yaml's, "
-               "else ar")
+METHOD_HELP = ("ar (plain decoding), ngram, draft_target, medusa, eagle, eagle2 or eagle3 (an EAGLE method with "
+               "'+ngram', e.g. eagle3+ngram, merges prompt lookup into its trees); default: the model.yaml's, else ar")
 DRAFT_HELP = "Draft model (draft_target) or head directory (medusa, eagle, eagle2, eagle3)."
 
 
@@ -115,7 +123,8 @@ def bench(
     dataset: Path = typer.Option(..., help="question.jsonl (EAGLE/MT-bench) or genai-perf JSONL with 'text'."),
     methods: str = typer.Option("ar,ngram,hf,hf-pld",
                                 help="Comma-separated: ar, ngram, draft_target, medusa, eagle, eagle2, eagle3, hf, "
-                                     "hf-pld."),
+                                     "hf-pld; an EAGLE method with '+ngram' (eagle3+ngram) merges prompt lookup "
+                                     "into its trees."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
@@ -139,7 +148,7 @@ def bench(
     check_output_file(json_file)
     try:
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        names = [m if m in HF_METHODS else method_name(m) for m in names]
+        names = [m if m in HF_METHODS else method_label(m) for m in names]
         if "ar" not in names:
             names.insert(0, "ar")  # every ratio is against plain decoding
         names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
@@ -150,7 +159,7 @@ def bench(
             name, sep, directory = item.partition("=")
             if not sep or not name.strip() or not directory.strip():
                 fail(f"--head takes METHOD=DIR, got {item!r}")
-            heads[method_name(name)] = directory.strip()
+            heads[method_label(name)] = directory.strip()
         prompts = load_prompts(dataset, num_prompts)
         target = load_model(config.model, dtype=config.dtype)
         results = run_bench(config, target, prompts, names, max_tokens, heads)
@@ -163,7 +172,7 @@ def bench(
     trees = {}
     if tree_costs:
         from specserve.bench.offline import tree_step_costs
-        for name in (n for n in names if n in ("eagle", "eagle2", "eagle3")):
+        for name in (n for n in names if n in ("eagle", "eagle2", "eagle3")):  # trees alone, no lookup branch
             trees[name] = tree_step_costs(config, target, name, heads.get(name, config.speculative_model),
                                           prompts[0])
             typer.echo(f"{name} step ms by tree nodes: " + ", ".join(f"{n}: {ms}" for n, ms in trees[name].items()))

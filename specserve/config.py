@@ -11,7 +11,8 @@ EAGLE trees: `Eagle` with `eagle_choices` (or none of the dynamic-tree knobs) is
 EAGLE-3 with a dynamic tree. Dynamic-tree knobs, in the EAGLE repository's spelling (`top_k`, `depth` = levels
 after the first, `total_token` = nodes including the root) or TensorRT-LLM's (`max_non_leaves_per_layer` or
 `dynamic_tree_max_topK`, `num_eagle_layers` = levels, `max_total_draft_tokens`); `eagle3_layers_to_capture`
-names EAGLE-3's target layers.
+names EAGLE-3's target layers. `prompt_lookup_branch: true` merges prompt lookup's continuation into every EAGLE
+tree (`eagle3+ngram` as a method name on the command line).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ SPEC_KEYS = {"decoding_type", "max_draft_len", "speculative_model", "speculative
              "prompt_lookup_min", "prompt_lookup_max", "max_matching_ngram_size", "medusa_choices",
              "adaptive_draft_len", "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture",
              "eagle3_one_model", "greedy_sampling", "typical_acceptance", "posterior_threshold",
-             "posterior_alpha"} | DYNAMIC_TREE_KEYS
+             "posterior_alpha", "prompt_lookup_branch"} | DYNAMIC_TREE_KEYS
 TRITON_KEYS = {"max_batch_size", "decoupled"}
 
 
@@ -70,6 +71,12 @@ class DeploymentConfig:
     total_tokens: int = 48  # dynamic trees: draft nodes at most (the budget may choose fewer)
     eagle3_layers: list[int] | None = None  # EAGLE-3's fused target layers; None: the head's config or default
     typical: tuple[float, float] | None = None  # Medusa typical acceptance (posterior_threshold, alpha): lossy
+    prompt_lookup_branch: bool = False  # EAGLE: merge prompt lookup's continuation into every tree
+
+    @property
+    def method_label(self) -> str:
+        """The method as the command line names it (`eagle3+ngram` for an EAGLE tree with the lookup branch)."""
+        return f"{self.method}+ngram" if self.prompt_lookup_branch else self.method
 
 
 def method_name(decoding_type: str) -> str:
@@ -80,6 +87,15 @@ def method_name(decoding_type: str) -> str:
         raise ConfigError(f"unknown decoding_type {decoding_type!r}; supported: NGram, Draft_Target, Medusa, "
                           "Eagle, Eagle3")
     return DECODING_TYPES[key]
+
+
+def method_variant(name: str) -> tuple[str, bool]:
+    """A command-line method name -> (method, prompt lookup branch): 'eagle3+ngram' -> ('eagle3', True)."""
+    base, plus, extra = str(name).partition("+")
+    method = method_name(base)
+    if plus and (extra.strip().lower() not in ("ngram", "prompt_lookup") or method not in EAGLE_METHODS):
+        raise ConfigError(f"unknown method {name!r}: '+ngram' follows eagle, eagle2 or eagle3 (e.g. eagle3+ngram)")
+    return method, bool(plus)
 
 
 def check_keys(section: dict, allowed: set[str], where: str) -> None:
@@ -136,6 +152,11 @@ def load_model_yaml(path: Path) -> DeploymentConfig:
             if config.method != "medusa":
                 raise ConfigError("typical_acceptance is Medusa's (decoding_type: Medusa)")
             config.typical = (float(spec.get("posterior_threshold", 0.09)), float(spec.get("posterior_alpha", 0.3)))
+        config.prompt_lookup_branch = spec.get("prompt_lookup_branch", False)
+        if not isinstance(config.prompt_lookup_branch, bool):
+            raise ConfigError(f"prompt_lookup_branch must be true or false, got {config.prompt_lookup_branch!r}")
+        if config.prompt_lookup_branch and config.method not in EAGLE_METHODS:
+            raise ConfigError("prompt_lookup_branch is for EAGLE trees (decoding_type: Eagle or Eagle3)")
         config.adaptive_draft_len = spec.get("adaptive_draft_len", True)
         if not isinstance(config.adaptive_draft_len, bool):
             raise ConfigError(f"adaptive_draft_len must be true or false, got {config.adaptive_draft_len!r}")
@@ -230,9 +251,10 @@ def build_eagle(config: DeploymentConfig, target: LoadedModel):
         static = config.method == "eagle" or config.eagle_choices is not None
         choices = (config.eagle_choices or DEFAULT_CHOICES) if static else None
         verify_seconds = target_verify_seconds(target) if config.adaptive_draft_len else None
-        return EagleMethod(head, target.model, config.method, config.max_draft_len, top_k=config.top_k,
+        lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.prompt_lookup_branch else None
+        return EagleMethod(head, target.model, config.method_label, config.max_draft_len, top_k=config.top_k,
                            total_tokens=config.total_tokens, choices=choices, aux_layer_ids=aux,
-                           verify_seconds=verify_seconds)
+                           verify_seconds=verify_seconds, lookup=lookup)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot use EAGLE head {config.speculative_model}: {exc}") from None
 

@@ -58,6 +58,25 @@ def test_bench_writes_the_contract(checkpoint, tmp_path):
     assert report["methods"]["hf"]["outputs_equal_ar"] is True  # transformers agrees with plain decoding
 
 
+def test_bench_and_generate_eagle_with_the_lookup_branch(loaded, checkpoint, tmp_path):
+    from tests.test_eagle import save_random
+    head = save_random(loaded("llama"), "eagle3", tmp_path / "head")
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"text": "def add(a, b):\\n    return add(a, b)\\ndef add("}\n')
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "--dataset", data, "--methods", "eagle3,Eagle3+prompt_lookup", "--head",
+                    f"eagle3={head}", "--max-tokens", 12, "--model", checkpoint("llama"), "--dtype", "float32",
+                    "--json", out)
+    assert result.exit_code == 0, result.output
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"ar", "eagle3", "eagle3+ngram"}  # the +ngram run found eagle3's head
+    assert methods["eagle3+ngram"]["outputs_equal_ar"] is True
+    result = invoke("generate", "def add(a, b):", "--model", checkpoint("llama"), "--dtype", "float32",
+                    "--method", "eagle3+ngram", "--draft-model", head, "--max-tokens", 8, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["method"] == "eagle3+ngram"
+
+
 def test_mismatched_draft_tokenizer_is_an_error(checkpoint, tmp_path):
     from transformers import AutoTokenizer
 
@@ -78,6 +97,7 @@ def test_mismatched_draft_tokenizer_is_an_error(checkpoint, tmp_path):
     (["generate", "hi", "--temperature", -1], "temperature"),
     (["generate", "hi", "--method", "telepathy"], "telepathy"),
     (["generate", "hi", "--method", "draft_target"], "speculative_model"),
+    (["generate", "hi", "--method", "ngram+ngram"], "'+ngram' follows eagle"),
 ])
 def test_bad_input_exits_2_with_a_message(checkpoint, args, needle):
     result = invoke(*args, "--model", checkpoint("llama"), "--dtype", "float32")

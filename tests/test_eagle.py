@@ -6,16 +6,17 @@ distribution while a broken sibling-resampling step does not."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 import specserve.spec.tree as tree_module
-from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_variant
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.spec.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.spec.eagle_draft import EagleMethod
+from specserve.spec.eagle_draft import EagleMethod, LookupBranch, Nodes
 from specserve.spec.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
@@ -141,6 +142,83 @@ def test_hardware_aware_budget_is_lossless(loaded, tmp_path):
         assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
 
 
+# ---- prompt lookup as a branch of the tree --------------------------------------------------------------------
+
+REPEATING = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("method,knobs", [
+    ("eagle", {"eagle_choices": SMALL_CHOICES}),
+    ("eagle3", {"top_k": 4, "total_tokens": 16}),
+])
+def test_lookup_branch_greedy_equals_plain(family, method, knobs, loaded, tmp_path):
+    target = loaded(family)
+    head = save_random(target, "eagle3" if method == "eagle3" else "eagle", tmp_path / "head")
+    params = SamplingParams(max_tokens=24)
+    forwards = {}
+    for lookup in (False, True):
+        engine = engine_for(target, method, head, 4, prompt_lookup_branch=lookup, **knobs)
+        assert engine.method_name == method + ("+ngram" if lookup else "")
+        forwards[lookup] = 0
+        for prompt in PROMPTS + [REPEATING]:
+            want = Engine(target).generate(prompt, params)
+            got = engine.generate(prompt, params)
+            assert got.token_ids == want.token_ids and got.text == want.text, (family, method, lookup, prompt)
+            forwards[lookup] += got.metrics.target_forwards
+    assert forwards[True] < forwards[False]  # a random head's drafts fail; the lookup chains get accepted
+
+
+def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path):
+    target = loaded("gemma3")
+    head = save_random(target, "eagle3", tmp_path / "h")
+    engine = engine_for(target, "eagle3", head, 5, adaptive=True, prompt_lookup_branch=True)
+    for prompt in PROMPTS + [REPEATING]:
+        params = SamplingParams(max_tokens=30)
+        assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
+
+
+def test_lookup_chain_merges_into_the_tree():
+    nodes = Nodes(5, torch.zeros(1))
+    a = nodes.add(0, 7, -0.1, 0)
+    b = nodes.add(a, 8, -3.0, 0)
+    nodes.add(0, 9, -1.0, 1)
+    nodes.merge_chain([7, 8, 4, 6], rate=0.5, offset=0.0)
+    assert nodes.looked_up == 2  # 7 and 8 were drafted by the head already
+    assert nodes.scores[a] == -0.1 and nodes.scores[b] == pytest.approx(2 * math.log(0.5))  # the better score
+    tree = nodes.tree(list(range(1, len(nodes.tokens))))
+    assert tree.tokens.tolist() == [5, 7, 9, 8, 4, 6]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+
+
+def test_lookup_accuracy_is_judged_on_the_committed_tokens():
+    lookup = LookupBranch(1, 3)
+    tokens = [1, 2, 3, 4, 1, 2]
+    chain, rate = lookup.propose(tokens, 3)
+    assert (chain, rate) == ([3, 4, 1], 0.5)  # "1 2" recurs; the prior before any evidence
+    # the target then produced 3, 4, 9: two lookup tokens right, the third wrong
+    chain, rate = lookup.propose(tokens + [3, 4, 9], 3)
+    assert lookup.right[2] == 1 + 2 and lookup.judged[2] == 2 + 3
+    assert chain == [] and rate == 0.0  # "4 9" / "9" never occurred before
+
+
+def test_lookup_branch_config_and_names(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text("model: m\nspeculative_config:\n  decoding_type: Eagle3\n  speculative_model: h\n"
+                    "  prompt_lookup_branch: true\n  prompt_lookup_max: 4\n")
+    config = load_model_yaml(path)
+    assert (config.method, config.prompt_lookup_branch, config.prompt_lookup_max) == ("eagle3", True, 4)
+    assert config.method_label == "eagle3+ngram"
+    path.write_text("model: m\nspeculative_config:\n  decoding_type: NGram\n  prompt_lookup_branch: true\n")
+    with pytest.raises(ConfigError, match="prompt_lookup_branch is for EAGLE"):
+        load_model_yaml(path)
+    assert method_variant("Eagle3+prompt_lookup") == ("eagle3", True)
+    assert method_variant("eagle2") == ("eagle2", False)
+    for bad in ("ngram+ngram", "eagle3+medusa"):
+        with pytest.raises(ConfigError, match=r"'\+ngram' follows eagle"):
+            method_variant(bad)
+
+
 # ---- a trained head: accepted paths, stops inside them, batching, sampling ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -243,10 +321,12 @@ def test_head_cache_follows_the_committed_tokens(stories):
     torch.testing.assert_close(proposer.cache.values[0][:, :n], fresh.values[0][:, :n], atol=1e-5, rtol=1e-4)
 
 
-def eagle_statistics(stories, samples: int = 2000):
+def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
     target, heads = stories
-    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, total_tokens=4)
-    prompt_ids = engine.encode(STORY_PROMPTS[0])  # a training prompt: the head's drafts land in the support
+    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, total_tokens=4, prompt_lookup_branch=lookup)
+    # a training prompt: the head's drafts land in the support; repeated, so that the lookup branch has chains
+    prompt_ids = engine.encode(f"{STORY_PROMPTS[0]}, there was a girl. {STORY_PROMPTS[0]}" if lookup
+                               else STORY_PROMPTS[0])
     # a high temperature flattens the target, so drafts are often rejected and siblings resampled
     params = SamplingParams(temperature=3.0, top_k=2, max_tokens=3, ignore_eos=True)
     counts: dict = {}
@@ -257,8 +337,9 @@ def eagle_statistics(stories, samples: int = 2000):
     return counts, exact_joint(target, prompt_ids, params, 3)
 
 
-def test_sampling_keeps_target_distribution(stories):
-    counts, expected = eagle_statistics(stories)
+@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "tree+lookup"])
+def test_sampling_keeps_target_distribution(stories, lookup):
+    counts, expected = eagle_statistics(stories, lookup=lookup)
     n = sum(counts.values())
     assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
 

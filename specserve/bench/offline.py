@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.bench.jsonl import read_jsonl
-from specserve.config import ConfigError, DeploymentConfig, build_engine
+from specserve.config import ConfigError, DeploymentConfig, build_engine, method_variant
 from specserve.models.loader import LoadedModel
 from specserve.spec.sampling import SamplingParams
 
@@ -122,14 +122,18 @@ def format_table(results: dict[str, dict]) -> str:
 
 def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], methods: list[str],
               max_tokens: int, heads: dict[str, str] | None = None) -> dict:
-    """`heads`: method -> its head directory (or draft model), else `base.speculative_model`."""
+    """`heads`: method -> its head directory (or draft model), else that of the method without '+ngram', else
+    `base.speculative_model`."""
     runs: dict[str, MethodRun] = {}
     for name in methods:
         if name in HF_METHODS:
             runs[name] = run_hf_method(target, prompts, max_tokens, name, base.max_draft_len)
             continue
-        model = (heads or {}).get(name, base.speculative_model)
-        config = DeploymentConfig(**{**base.__dict__, "method": name, "speculative_model": model})
+        method, lookup = method_variant(name)
+        heads = heads or {}
+        model = heads.get(name, heads.get(method, base.speculative_model))
+        config = DeploymentConfig(**{**base.__dict__, "method": method, "prompt_lookup_branch": lookup,
+                                     "speculative_model": model})
         engine = build_engine(config, target)
         runs[name] = run_engine_method(engine, prompts, max_tokens, name)
     ar = runs.get("ar")

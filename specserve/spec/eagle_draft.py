@@ -13,6 +13,13 @@ nodes of each level and keep the `total_tokens` best nodes overall. With the tar
 (1 + c * sum of their path probabilities) / (verify cost of N + 1 tokens + drafting time), and draft another
 level only while its best possible gain per second beats that rate; c calibrates the head's confidence against
 the acceptance it actually gets.
+
+With `lookup` (prompt lookup as a branch), the n-gram continuation of the sequence (as `ngram` drafts it) is merged
+into the drafted tree: where the head drafted the same tokens the nodes are shared, the rest hangs below them as a
+chain. A lookup node at depth d scores r^d, r being how often lookups of that n-gram length were right per token
+so far in the request, so the budget weighs it against the head's nodes. Head and lookup catch different tokens
+(the head: the target's style; lookup: text copied from the prompt or repeated), and both are deterministic
+candidates, so verification stays lossless.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.spec.eagle import EagleHead, HeadCache
-from specserve.spec.proposers import Proposal, Proposer, SpecMethod
+from specserve.spec.proposers import Proposal, Proposer, SpecMethod, common_prefix_length, ngram_lookup
 from specserve.spec.tree import DraftTree
 
 
@@ -35,13 +42,17 @@ class EagleMethod(SpecMethod):
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
-                 verify_seconds: Callable[[int], float] | None = None):
+                 verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
-        `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers)."""
+        `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
+        prompt lookup's continuation into every tree."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
+        if lookup is not None and not 1 <= lookup[0] <= lookup[1]:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lookup[0]}, {lookup[1]}")
+        self.lookup = lookup
         self.name = name
         self.max_depth = max_depth
         self.head = head
@@ -73,7 +84,7 @@ class EagleMethod(SpecMethod):
         return self.top_k * depth
 
     def draft_slots(self, max_draft_len: int) -> int:
-        return 1 + self.tree_nodes(max_draft_len)
+        return 1 + self.tree_nodes(max_draft_len) + (max_draft_len if self.lookup else 0)
 
     def new_proposer(self, params, generator, capacity) -> Proposer:
         return EagleProposer(self, capacity)
@@ -101,6 +112,7 @@ class Nodes:
         self.paths: list[tuple[int, ...]] = [()]
         self.outputs: dict[int, torch.Tensor] = {0: root_output}
         self.slots: dict[int, int] = {}
+        self.looked_up = 0  # nodes the lookup branch added
 
     def add(self, parent: int, token: int, logp: float, rank: int) -> int:
         self.tokens.append(token)
@@ -109,6 +121,25 @@ class Nodes:
         self.scores.append(self.scores[parent] + logp)
         self.paths.append(self.paths[parent] + (rank,))
         return len(self.tokens) - 1
+
+    def merge_chain(self, chain: list[int], rate: float, offset: float) -> None:
+        """Hang a lookup chain below the root, sharing nodes that carry the same tokens; its node at depth d
+        scores d * log(rate) - offset (unless the node already scores higher)."""
+        node = 0
+        for depth, token in enumerate(chain, start=1):
+            score = depth * math.log(rate) - offset
+            same = [c for c in range(1, len(self.tokens)) if self.parents[c] == node and self.tokens[c] == token]
+            if same:
+                node = same[0]
+                self.scores[node] = max(self.scores[node], score)
+            else:
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(depth)
+                self.scores.append(score)
+                self.paths.append(self.paths[node] + (-1,))
+                node = len(self.tokens) - 1
+                self.looked_up += 1
 
     def ancestors(self, node: int) -> list[int]:
         out = []
@@ -137,6 +168,7 @@ class EagleProposer(Proposer):
         self.predicted, self.accepted = 1.0, 1.0
         self.pending_prediction: float | None = None
         self.level_seconds: float | None = None
+        self.lookup = LookupBranch(*method.lookup) if method.lookup else None
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
@@ -151,6 +183,10 @@ class EagleProposer(Proposer):
             return Proposal([])
         self._catch_up(tokens)
         nodes = self._grow(tokens[-1], max_len)
+        if self.lookup is not None:
+            chain, rate = self.lookup.propose(tokens, max_len)
+            # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
+            nodes.merge_chain(chain, rate, math.log(self._calibration()))
         keep = self._select(nodes)
         if not keep:
             return Proposal([])
@@ -248,7 +284,8 @@ class EagleProposer(Proposer):
     def _best_budget(self, nodes: Nodes) -> tuple[list[int], float]:
         """The best nodes to verify and the expected tokens per second of verifying them."""
         ranked = sorted(range(1, len(nodes.tokens)), key=lambda n: (-nodes.scores[n], nodes.depths[n]))
-        limit = len(ranked) if self.m.choices is not None else min(len(ranked), self.m.total_tokens)
+        limit = len(ranked) if self.m.choices is not None else min(len(ranked),
+                                                                    self.m.total_tokens + nodes.looked_up)
         if self.m.verify_seconds is None:
             return ranked[:limit], 0.0
         c = self._calibration()
@@ -273,3 +310,27 @@ class EagleProposer(Proposer):
         keep = set(self._best_budget(nodes)[0])
         # a child never outscores its parent, but ties could break the other way: keep the tree closed
         return [n for n in keep if all(a in keep for a in nodes.ancestors(n))]
+
+
+class LookupBranch:
+    """Prompt lookup for one request inside EAGLE trees, with its running accuracy per n-gram length: of the
+    lookup tokens whose predecessors were right, how many the target then produced (judged against the tokens
+    committed next, whether or not the budget verified them)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.right = {n: 1.0 for n in range(min_n, max_n + 1)}  # a prior of 1 right in 2
+        self.judged = {n: 2.0 for n in range(min_n, max_n + 1)}
+        self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
+
+    def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], float]:
+        """The continuation (empty: no n-gram recurs) and its per-token accuracy estimate."""
+        if self.last is not None:
+            start, n, chain = self.last
+            committed = tokens[start:]
+            right = common_prefix_length(chain, committed)
+            self.right[n] += right
+            self.judged[n] += min(len(chain), right + 1, len(committed))
+        n, chain = ngram_lookup(tokens, max_len, self.min_n, self.max_n)
+        self.last = (len(tokens), n, chain) if chain else None
+        return chain, (self.right[n] / self.judged[n] if chain else 0.0)

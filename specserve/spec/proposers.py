@@ -54,17 +54,22 @@ class SpecMethod(ABC):
 def longest_ngram_continuation(tokens: list[int], max_len: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix n-gram
     (max_n down to min_n) of `tokens`, at most max_len of them; [] if no n-gram recurs."""
+    return ngram_lookup(tokens, max_len, min_n, max_n)[1]
+
+
+def ngram_lookup(tokens: list[int], max_len: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """`longest_ngram_continuation` and the n of the n-gram that matched (0 when none did)."""
     length = len(tokens)
     if max_len <= 0 or length < min_n + 1:
-        return []
+        return 0, []
     seq = torch.tensor(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         windows = seq[:-1].unfold(0, n, 1)  # n-grams that end before the last token, so a continuation exists
         hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
         if hits.numel():
             start = int(hits[-1]) + n
-            return tokens[start:start + max_len]
-    return []
+            return n, tokens[start:start + max_len]
+    return 0, []
 
 
 class NGramProposer(Proposer):
