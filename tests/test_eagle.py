@@ -16,7 +16,7 @@ from specserve.config import ConfigError, DeploymentConfig, build_engine, load_m
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.spec.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.spec.eagle_draft import EagleMethod, LookupBranch, Nodes
+from specserve.spec.eagle_draft import EagleMethod, EagleProposer, LookupBranch, Nodes
 from specserve.spec.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
@@ -169,13 +169,20 @@ def test_lookup_branch_greedy_equals_plain(family, method, knobs, loaded, tmp_pa
     assert forwards[True] < forwards[False]  # a random head's drafts fail; the lookup chains get accepted
 
 
-def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path):
+def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path, monkeypatch):
+    """With measured costs, steps where the lookup chain alone promises more than the head's last tree skip the
+    head (its pairs are caught up later, several steps at once); both kinds of step must stay exact."""
     target = loaded("gemma3")
     head = save_random(target, "eagle3", tmp_path / "h")
     engine = engine_for(target, "eagle3", head, 5, adaptive=True, prompt_lookup_branch=True)
+    choices = []
+    decide = EagleProposer._lookup_alone_pays
+    monkeypatch.setattr(EagleProposer, "_lookup_alone_pays",
+                        lambda self, chain, rate: choices.append(decide(self, chain, rate)) or choices[-1])
     for prompt in PROMPTS + [REPEATING]:
         params = SamplingParams(max_tokens=30)
         assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
+    assert True in choices and False in choices
 
 
 def test_lookup_chain_merges_into_the_tree():
@@ -189,6 +196,11 @@ def test_lookup_chain_merges_into_the_tree():
     tree = nodes.tree(list(range(1, len(nodes.tokens))))
     assert tree.tokens.tolist() == [5, 7, 9, 8, 4, 6]
     assert tree.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    # the head drafting the lookup's next token below b takes that node over instead of adding a twin
+    four = nodes.tokens.index(4)
+    assert nodes.add(b, 4, -0.5, 0) == four and nodes.looked_up == 1
+    assert nodes.scores[four] == pytest.approx(max(3 * math.log(0.5), nodes.scores[b] - 0.5))
+    assert nodes.add(b, 3, -0.5, 1) == len(nodes.tokens) - 1  # a new token is a new node
 
 
 def test_lookup_accuracy_is_judged_on_the_committed_tokens():

@@ -114,7 +114,18 @@ class Nodes:
         self.slots: dict[int, int] = {}
         self.looked_up = 0  # nodes the lookup branch added
 
+    def child(self, parent: int, token: int) -> int | None:
+        return next((c for c in range(1, len(self.tokens)) if self.parents[c] == parent and self.tokens[c] == token),
+                    None)
+
     def add(self, parent: int, token: int, logp: float, rank: int) -> int:
+        """A head-drafted child; a lookup node with the same token there becomes it (with the better score)."""
+        shared = self.child(parent, token) if self.looked_up else None
+        if shared is not None:
+            self.scores[shared] = max(self.scores[shared], self.scores[parent] + logp)
+            self.paths[shared] = self.paths[parent] + (rank,)
+            self.looked_up -= 1
+            return shared
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
@@ -128,9 +139,9 @@ class Nodes:
         node = 0
         for depth, token in enumerate(chain, start=1):
             score = depth * math.log(rate) - offset
-            same = [c for c in range(1, len(self.tokens)) if self.parents[c] == node and self.tokens[c] == token]
-            if same:
-                node = same[0]
+            same = self.child(node, token)
+            if same is not None:
+                node = same
                 self.scores[node] = max(self.scores[node], score)
             else:
                 self.tokens.append(token)
@@ -169,6 +180,7 @@ class EagleProposer(Proposer):
         self.pending_prediction: float | None = None
         self.level_seconds: float | None = None
         self.lookup = LookupBranch(*method.lookup) if method.lookup else None
+        self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
@@ -181,13 +193,17 @@ class EagleProposer(Proposer):
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         if max_len <= 0 or (not self.features and self.last_output is None):
             return Proposal([])
-        self._catch_up(tokens)
-        nodes = self._grow(tokens[-1], max_len)
-        if self.lookup is not None:
-            chain, rate = self.lookup.propose(tokens, max_len)
-            # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
-            nodes.merge_chain(chain, rate, math.log(self._calibration()))
-        keep = self._select(nodes)
+        chain, rate = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], 0.0)
+        if self._lookup_alone_pays(chain, rate):  # the head's pairs wait in self.features for a later step
+            nodes = Nodes(tokens[-1], None)
+            self._merge(nodes, chain, rate)
+            keep = self._select(nodes)
+        else:
+            start = time.perf_counter()
+            self._catch_up(tokens)
+            nodes = self._grow(tokens[-1], max_len, chain, rate)
+            keep = self._select(nodes)
+            self._note_head_rate(nodes, keep, time.perf_counter() - start)
         if not keep:
             return Proposal([])
         self.pending_prediction = sum(math.exp(nodes.scores[n]) for n in keep)
@@ -243,13 +259,39 @@ class EagleProposer(Proposer):
         values = top.values.tolist()
         return [nodes.add(parent, ids[r], values[r], r) for r in ranks]
 
-    def _grow(self, root_token: int, max_len: int) -> Nodes:
+    def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
+        # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
+        nodes.merge_chain(chain, rate, math.log(self._calibration()))
+
+    def _note_head_rate(self, nodes: Nodes, keep: list[int], head_seconds: float) -> None:
+        if self.lookup is not None and self.m.verify_seconds is not None:
+            expected = 1.0 + self._calibration() * sum(math.exp(nodes.scores[n]) for n in keep)
+            self.head_rate = expected / (self.m.verify_seconds(len(keep) + 1) + head_seconds)
+
+    def _lookup_alone_pays(self, chain: list[int], rate: float) -> bool:
+        """Whether verifying the lookup chain alone promises at least the tokens/s of the last head-drafted tree
+        (measured costs only): then this step skips the head, which would cost a step's drafting."""
+        if not chain or self.m.verify_seconds is None or self.head_rate is None:
+            return False
+        expected = 1.0
+        best = 0.0
+        for depth in range(1, len(chain) + 1):
+            expected += rate ** depth
+            best = max(best, expected / self.m.verify_seconds(depth + 1))
+        return best >= self.head_rate
+
+    def _grow(self, root_token: int, max_len: int, chain: list[int], rate: float) -> Nodes:
         m = self.m
         nodes = Nodes(root_token, self.last_output)
         root_logp = m.log_probs(self.last_output[None])[0]
         if m.choices is not None:
-            return self._grow_static(nodes, root_logp, max_len)
+            nodes = self._grow_static(nodes, root_logp, max_len)
+            self._merge(nodes, chain, rate)
+            return nodes
         level = self._add_children(nodes, 0, root_logp, list(range(m.top_k)))
+        # the lookup chain joins before the head's deeper levels: a good chain raises the rate that each further
+        # level must beat, so the head stops drafting where the lookup already covers the step
+        self._merge(nodes, chain, rate)
         for _ in range(max_len - 1):
             expand = sorted(level, key=lambda n: -nodes.scores[n])[: m.top_k]
             if not self._worth_another_level(nodes, expand):
