@@ -17,7 +17,8 @@ the acceptance it actually gets.
 With `lookup` (prompt lookup as a branch), the n-gram continuation of the sequence (as `ngram` drafts it) is merged
 into the drafted tree: where the head drafted the same tokens the nodes are shared, the rest hangs below them as a
 chain. A lookup node at depth d scores r^d, r being how often lookups of that n-gram length were right per token
-so far in the request, so the budget weighs it against the head's nodes. Head and lookup catch different tokens
+so far in the request, so the budget weighs it against the head's nodes; with measured costs, a step whose chain
+alone promises the tokens/s of the last head-drafted tree skips the head. Head and lookup catch different tokens
 (the head: the target's style; lookup: text copied from the prompt or repeated), and both are deterministic
 candidates, so verification stays lossless.
 """
