@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_variant
+from specserve.config import (ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_label,
+                              method_variant)
 from specserve.engine.engine import RequestError
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.spec.sampling import SamplingParams
@@ -58,10 +59,9 @@ def deployment_config(model: str | None, method: str | None, draft_model: str | 
     return config
 
 
-def method_label(name: str) -> str:
+def canonical_method(name: str) -> str:
     """A method name as given -> its canonical spelling (Eagle3+prompt_lookup -> eagle3+ngram)."""
-    method, lookup = method_variant(name)
-    return f"{method}+ngram" if lookup else method
+    return method_label(*method_variant(name))
 
 
 MODEL_HELP = f"{DEFAULT_MODEL} (embedded default), a checkpoint directory, a .gguf file or a model.yaml"
@@ -148,7 +148,7 @@ def bench(
     check_output_file(json_file)
     try:
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        names = [m if m in HF_METHODS else method_label(m) for m in names]
+        names = [m if m in HF_METHODS else canonical_method(m) for m in names]
         if "ar" not in names:
             names.insert(0, "ar")  # every ratio is against plain decoding
         names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
@@ -159,7 +159,7 @@ def bench(
             name, sep, directory = item.partition("=")
             if not sep or not name.strip() or not directory.strip():
                 fail(f"--head takes METHOD=DIR, got {item!r}")
-            heads[method_label(name)] = directory.strip()
+            heads[canonical_method(name)] = directory.strip()
         prompts = load_prompts(dataset, num_prompts)
         target = load_model(config.model, dtype=config.dtype)
         results = run_bench(config, target, prompts, names, max_tokens, heads)

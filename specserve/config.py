@@ -76,7 +76,11 @@ class DeploymentConfig:
     @property
     def method_label(self) -> str:
         """The method as the command line names it (`eagle3+ngram` for an EAGLE tree with the lookup branch)."""
-        return f"{self.method}+ngram" if self.prompt_lookup_branch else self.method
+        return method_label(self.method, self.prompt_lookup_branch)
+
+
+def method_label(method: str, lookup_branch: bool) -> str:
+    return f"{method}+ngram" if lookup_branch else method
 
 
 def method_name(decoding_type: str) -> str:
