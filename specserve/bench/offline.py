@@ -125,12 +125,12 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
     """`heads`: method -> its head directory (or draft model), else that of the method without '+ngram', else
     `base.speculative_model`."""
     runs: dict[str, MethodRun] = {}
+    heads = heads or {}
     for name in methods:
         if name in HF_METHODS:
             runs[name] = run_hf_method(target, prompts, max_tokens, name, base.max_draft_len)
             continue
         method, lookup = method_variant(name)
-        heads = heads or {}
         model = heads.get(name, heads.get(method, base.speculative_model))
         config = DeploymentConfig(**{**base.__dict__, "method": method, "prompt_lookup_branch": lookup,
                                      "speculative_model": model})

@@ -127,10 +127,13 @@ class Nodes:
             self.paths[shared] = self.paths[parent] + (rank,)
             self.looked_up -= 1
             return shared
+        return self._append(parent, token, self.scores[parent] + logp, rank)
+
+    def _append(self, parent: int, token: int, score: float, rank: int) -> int:
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
-        self.scores.append(self.scores[parent] + logp)
+        self.scores.append(score)
         self.paths.append(self.paths[parent] + (rank,))
         return len(self.tokens) - 1
 
@@ -145,12 +148,7 @@ class Nodes:
                 node = same
                 self.scores[node] = max(self.scores[node], score)
             else:
-                self.tokens.append(token)
-                self.parents.append(node)
-                self.depths.append(depth)
-                self.scores.append(score)
-                self.paths.append(self.paths[node] + (-1,))
-                node = len(self.tokens) - 1
+                node = self._append(node, token, score, -1)
                 self.looked_up += 1
 
     def ancestors(self, node: int) -> list[int]:
