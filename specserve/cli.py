@@ -40,7 +40,7 @@ def check_output_file(path: Path | None) -> None:
 
 def deployment_config(model: str | None, method: str | None, draft_model: str | None, max_draft_len: int | None,
                       prompt_lookup_min: int | None, prompt_lookup_max: int | None,
-                      dtype: str | None) -> DeploymentConfig:
+                      dtype: str | None, quantization: str | None = None) -> DeploymentConfig:
     """A model.yaml (if --model names one) with the command-line flags on top."""
     if model and model.endswith((".yaml", ".yml")):
         config = load_model_yaml(Path(model))
@@ -50,7 +50,7 @@ def deployment_config(model: str | None, method: str | None, draft_model: str | 
         config.method, config.prompt_lookup_branch = method_variant(method)
     overrides = {"speculative_model": draft_model,
                  "max_draft_len": max_draft_len, "prompt_lookup_min": prompt_lookup_min,
-                 "prompt_lookup_max": prompt_lookup_max, "dtype": dtype}
+                 "prompt_lookup_max": prompt_lookup_max, "dtype": dtype, "quantization": quantization}
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
@@ -67,6 +67,8 @@ def canonical_method(name: str) -> str:
 MODEL_HELP = f"{DEFAULT_MODEL} (embedded default), a checkpoint directory, a .gguf file or a model.yaml"
 METHOD_HELP = ("ar (plain decoding), ngram, draft_target, medusa, eagle, eagle2 or eagle3 (an EAGLE method with "
                "'+ngram', e.g. eagle3+ngram, merges prompt lookup into its trees); default: the model.yaml's, else ar")
+QUANT_HELP = ("Weight storage: gguf (a GGUF's own quantized blocks; the default for GGUF models), none (dequantized "
+              "to --dtype), int8 or int4 (weight-only, per block of 32, any checkpoint).")
 DRAFT_HELP = "Draft model (draft_target) or head directory (medusa, eagle, eagle2, eagle3)."
 
 
@@ -87,12 +89,13 @@ def generate(
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past end-of-sequence."),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
+    quantization: Optional[str] = typer.Option(None, help=QUANT_HELP),
     json_output: bool = typer.Option(False, "--json", help='Print {"text": ..., "metrics": {...}}.'),
 ) -> None:
     """Generate text for one prompt."""
     try:
         config = deployment_config(model, method, draft_model, max_draft_len, prompt_lookup_min,
-                                   prompt_lookup_max, dtype)
+                                   prompt_lookup_max, dtype, quantization)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos)
         params.validate()
@@ -135,6 +138,7 @@ def bench(
     prompt_lookup_min: Optional[int] = typer.Option(None),
     prompt_lookup_max: Optional[int] = typer.Option(None),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32 (hf uses the same)."),
+    quantization: Optional[str] = typer.Option(None, help=QUANT_HELP),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
     step_costs: bool = typer.Option(False, "--step-costs",
                                     help="Also time one target forward of 1..64 tokens (the price of verifying)."),
@@ -153,7 +157,7 @@ def bench(
             names.insert(0, "ar")  # every ratio is against plain decoding
         names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
         config = deployment_config(model, None, draft_model, max_draft_len, prompt_lookup_min, prompt_lookup_max,
-                                   dtype)
+                                   dtype, quantization)
         heads = {}
         for item in head:
             name, sep, directory = item.partition("=")
@@ -161,7 +165,7 @@ def bench(
                 fail(f"--head takes METHOD=DIR, got {item!r}")
             heads[canonical_method(name)] = directory.strip()
         prompts = load_prompts(dataset, num_prompts)
-        target = load_model(config.model, dtype=config.dtype)
+        target = load_model(config.model, dtype=config.dtype, quantization=config.quantization)
         results = run_bench(config, target, prompts, names, max_tokens, heads)
     except USER_ERRORS as exc:
         fail(str(exc))
@@ -178,6 +182,7 @@ def bench(
             typer.echo(f"{name} step ms by tree nodes: " + ", ".join(f"{n}: {ms}" for n, ms in trees[name].items()))
     if json_file:
         report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
+                  "quantization": target.model.quantization,
                   "dataset": str(dataset), "num_prompts": len(prompts), "max_tokens": max_tokens,
                   "max_draft_len": config.max_draft_len, "methods": results}
         if costs:
@@ -304,7 +309,8 @@ def train_command(
         settings = TrainSettings(kind=kind, steps=steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                                  seq_len=seq_len, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size,
                                  medusa_heads=medusa_heads, draft_layers=draft_layers, seed=seed)
-        model = load_model(target, dtype=dtype)
+        # the trainers read the target's embedding and lm_head as dense tables: train on the dequantized weights
+        model = load_model(target, dtype=dtype, quantization="none")
         report = run_training(model, kind, train_prompts, out, data, held_out, max_tokens, temperature, settings,
                               echo=lambda text: typer.echo(text, err=True))
     except (*USER_ERRORS, ValueError, FileNotFoundError) as exc:

@@ -41,7 +41,7 @@ EAGLE_METHODS = ("eagle", "eagle2", "eagle3")
 DYNAMIC_TREE_KEYS = {"top_k", "depth", "total_token", "max_non_leaves_per_layer", "dynamic_tree_max_topK",
                      "num_eagle_layers", "max_total_draft_tokens"}
 TOP_LEVEL_KEYS = {"model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "speculative_config",
-                  "triton_config", "dtype", "max_model_len"}
+                  "triton_config", "dtype", "max_model_len", "quantization"}
 SPEC_KEYS = {"decoding_type", "max_draft_len", "speculative_model", "speculative_model_dir",
              "prompt_lookup_min", "prompt_lookup_max", "max_matching_ngram_size", "medusa_choices",
              "adaptive_draft_len", "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture",
@@ -59,6 +59,7 @@ class DeploymentConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     dtype: str | None = None
+    quantization: str | None = None  # none | gguf | int8 | int4; unset: a GGUF's own blocks, else none
     max_model_len: int | None = None
     max_batch_size: int = 8
     decoupled: bool = False
@@ -135,7 +136,7 @@ def load_model_yaml(path: Path) -> DeploymentConfig:
             raise ConfigError(f"{key}={data[key]!r} is not supported: specserve runs on one device")
     base = Path(path).parent
     config = DeploymentConfig(model=resolve_path(str(data["model"]), base), dtype=data.get("dtype"),
-                              max_model_len=data.get("max_model_len"))
+                              max_model_len=data.get("max_model_len"), quantization=data.get("quantization"))
     spec = data.get("speculative_config")
     if spec:
         check_keys(spec, SPEC_KEYS, "speculative_config")
@@ -281,7 +282,7 @@ def target_verify_seconds(target: LoadedModel):
 
     if id(target.model) in _VERIFY_COSTS:
         return _VERIFY_COSTS[id(target.model)]
-    key = f"{Path(target.path).resolve()}|{target.model.dtype}|{platform.processor() or platform.machine()}|" \
+    key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|{platform.processor() or platform.machine()}|" \
           f"{torch.get_num_threads()}|{torch.__version__}|{target.model.kernels_usable}|" \
           f"{cpu_kernels.f32_linear_available()}"
     file = cache_root() / "verify_costs.json"
@@ -311,6 +312,6 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 def build_engine(config: DeploymentConfig, target: LoadedModel | None = None):
     from specserve.engine.engine import Engine
 
-    target = target or load_model(config.model, dtype=config.dtype)
+    target = target or load_model(config.model, dtype=config.dtype, quantization=config.quantization)
     method = build_method(config, target)
     return Engine(target, method, config.max_draft_len if method else 0, config.max_model_len)

@@ -129,3 +129,14 @@ def test_engine_with_broken_verifier_fails(loaded, monkeypatch):
     counts, expected = engine_statistics(loaded)
     n = sum(counts.values())
     assert total_variation(counts, expected, n) > tv_bound(len(expected), n)
+
+
+def test_engine_sampling_keeps_a_quantized_target_distribution(checkpoint, loaded):
+    """The same test with an int4 target (the packed kernel) and a dense perturbed draft."""
+    from specserve.models.loader import load_model
+
+    target = load_model(checkpoint("llama"), dtype=torch.float32, quantization="int4")
+    draft = perturbed_copy(loaded("llama").model, 0.5)
+    counts, expected = sample_three_tokens(Engine(target, DraftModelMethod(draft, target.model.spec.vocab_size), 3))
+    n = sum(counts.values())
+    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)

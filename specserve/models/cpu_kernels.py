@@ -61,6 +61,24 @@ def _compile(name: str, source: Path, flags: list[str]):
                     extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
+QUANT_NAME = "specserve_quant_linear"
+QUANT_SOURCE = SOURCE.with_name("quant_linear.cpp")
+
+
+def load_quant():
+    """The low-bit linear kernel (`quant_linear.cpp`). It picks AVX-512 VNNI, AVX2 or scalar code at run time, so
+    it is built for the baseline ISA and needs only a C++ compiler; raises QuantizationError when it can't build."""
+    from specserve.models.quant import QuantizationError
+
+    try:
+        # no -march=native: each path carries its own target attribute; no FP contraction, so the scalar path
+        # rounds exactly as the vector ones
+        return _compile(QUANT_NAME, QUANT_SOURCE, ["-ffp-contract=off"])
+    except Exception as exc:
+        raise QuantizationError(f"the quantized-weight kernel could not be built ({exc}); "
+                                "use quantization: none") from exc
+
+
 def _build():
     return _compile(NAME, SOURCE, ["-march=native"])
 

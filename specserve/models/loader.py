@@ -1,7 +1,10 @@
 """Finding and loading models: the embedded default, HF checkpoint directories and GGUF files.
 
-A GGUF file is dequantized once (transformers' GGUF reader) into an HF checkpoint directory under the cache
-(`~/.cache/specserve`, or $SPECSERVE_CACHE), so every later start is a plain safetensors load.
+A GGUF file is converted once (transformers' GGUF reader) into an HF checkpoint directory under the cache
+(`~/.cache/specserve`, or $SPECSERVE_CACHE) for its config, tokenizer and small tensors. By default its linear
+layers and embedding then run in the GGUF's own quantized blocks (`quantization: gguf`, see models/quant.py),
+read from the GGUF itself and never widened; `quantization: none` runs the dequantized weights instead, and
+`int8` / `int4` quantize any checkpoint's linears at load.
 """
 
 from __future__ import annotations
@@ -9,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from specserve.models import llama2c
+from specserve.models import llama2c, quant
+from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -24,6 +30,13 @@ DEFAULT_MODEL = "gemma-3-270m"
 
 class ModelLoadError(ValueError):
     """The model can't be found or read: a user error with a message that names the problem."""
+
+
+@dataclass
+class ModelSource:
+    name: str
+    directory: Path  # an HF checkpoint directory (converted from a GGUF or llama2.c file if need be)
+    gguf: Path | None = None  # the GGUF file it came from
 
 
 @dataclass
@@ -138,14 +151,16 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     return out
 
 
-def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_state_dict(directory: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, except the names in `skip` (never read: those come packed from elsewhere)."""
+    from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
     if files:
         state: dict[str, torch.Tensor] = {}
         for file in files:
-            state.update(load_file(str(file)))
+            with safe_open(str(file), framework="pt") as reader:
+                state.update({name: reader.get_tensor(name) for name in reader.keys() if name not in skip})
         return state
     bins = sorted(directory.glob("pytorch_model*.bin"))
     if bins:
@@ -180,23 +195,124 @@ def load_hf_config(directory: Path):
     return getattr(config, "text_config", None) or config
 
 
-def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> CausalLM:
+def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
+                packed: dict[str, PackedWeight] | None = None, quantization: str = "none") -> CausalLM:
+    """The model from dense tensors `state` plus, for the names in `packed`, packed low-bit weights;
+    `quantization` int8 / int4 then quantizes the remaining dense linears."""
+    packed = packed or {}
     try:
         with torch.device("meta"):
             model = CausalLM(hf_config, dtype)
     except ValueError as exc:  # an unsupported family or activation
         raise ModelLoadError(str(exc)) from None
     state = {name: t.to(device=device, dtype=dtype) for name, t in _strip_prefixes(state).items()
-             if not name.endswith("rotary_emb.inv_freq")}
+             if not name.endswith("rotary_emb.inv_freq") and name not in packed}
     if model.spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    for name, weight in packed.items():
+        _install_packed(model, name, weight, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [name for name in missing if name.rsplit(".", 1)[0] not in _quantized_modules(model)]
     if missing or unexpected:
         raise ModelLoadError(f"checkpoint does not match a {hf_config.model_type} model: missing "
                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if quantization in ("int8", "int4"):
+        quantize_model(model, quantization)
     model.eval()
     model.fuse_projections()
     return model
+
+
+def _quantized_modules(model: CausalLM) -> set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+
+
+def _install_packed(model: CausalLM, name: str, weight: PackedWeight, dtype: torch.dtype) -> None:
+    """Put a packed weight in place of the dense module `name` (a '.weight' of a linear or the embedding)."""
+    parent_name, _, attr = name.removesuffix(".weight").rpartition(".")
+    parent = model.get_submodule(parent_name)
+    if attr == "embed_tokens":
+        setattr(parent, attr, QuantEmbedding(weight, dtype))
+        return
+    old = getattr(parent, attr)
+    bias = None if old.bias is None else torch.empty(old.out_features)  # filled by load_state_dict
+    setattr(parent, attr, QuantLinear(weight, bias))
+
+
+def quantize_model(model: CausalLM, kind: str) -> None:
+    """int8 / int4 weight-only quantization of every dense linear of the layers and the lm_head (the embedding
+    too when they are tied)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attr, module in list(parent.named_children()):
+                if type(module) is torch.nn.Linear:
+                    setattr(parent, attr, quant.quantize_linear(module, kind))
+    if model.spec.tie_word_embeddings:
+        if type(model.model.embed_tokens) is torch.nn.Embedding:
+            codes = quant.quantize_dense(model.model.embed_tokens.weight, kind)
+            model.model.embed_tokens = QuantEmbedding(PackedWeight.from_codes(codes), model.dtype)
+    elif type(model.lm_head) is torch.nn.Linear:
+        model.lm_head = quant.quantize_linear(model.lm_head, kind)
+
+
+_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+_GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
+
+
+def gguf_hf_name(name: str) -> str | None:
+    """The HF parameter a GGUF tensor of a llama-like model holds, for the tensors that can be packed."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+    if match and match[2] in _GGUF_LINEARS:
+        return f"model.layers.{match[1]}.{_GGUF_LINEARS[match[2]]}.weight"
+    return None
+
+
+def _llama_row_order(rows: int, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves the rope halves of Llama's q/k rows; this undoes it (as transformers)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def gguf_packed_weights(gguf_path: Path, hf_config, cache_dir: Path) -> dict[str, PackedWeight]:
+    """The GGUF's quantized linears and embedding, packed for the kernel, by HF parameter name; packed once and
+    kept in `cache_dir` (the GGUF's converted directory)."""
+    cached = cache_dir / "specserve-packed.st"  # not *.safetensors: the dense reader globs those
+    if cached.exists():
+        packed = quant.load_packed(cached)
+        if packed is not None:
+            return packed
+    packed = _pack_gguf(gguf_path, hf_config)
+    try:
+        quant.save_packed(packed, cached)
+    except OSError as exc:  # a read-only cache only costs the next start the packing again
+        print(f"specserve: could not cache packed weights in {cached}: {exc}", file=sys.stderr)
+    return packed
+
+
+def _pack_gguf(gguf_path: Path, hf_config) -> dict[str, PackedWeight]:
+    from gguf import GGUFReader
+
+    packed = {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        kind, hf_name = tensor.tensor_type.name, gguf_hf_name(tensor.name)
+        if hf_name is None or kind in _GGUF_DENSE_TYPES:
+            continue
+        in_features, out_features = (int(d) for d in tensor.shape[:2])
+        raw = tensor.data
+        if hf_config.model_type == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = hf_config.num_attention_heads if ".attn_q." in tensor.name else hf_config.num_key_value_heads
+            raw = raw[_llama_row_order(out_features, heads)]
+        try:
+            codes = quant.decode_gguf(kind, raw, (out_features, in_features))
+        except QuantizationError as exc:
+            raise ModelLoadError(f"{gguf_path.name}: {tensor.name}: {exc}") from None
+        packed[hf_name] = PackedWeight.from_codes(codes)
+    return packed
 
 
 def _eos_ids(hf_config, tokenizer, directory: Path) -> set[int]:
@@ -213,23 +329,23 @@ def _eos_ids(hf_config, tokenizer, directory: Path) -> set[int]:
     return ids
 
 
-def resolve_model_path(name: str | None) -> tuple[str, Path]:
-    """A model name (the embedded default), a checkpoint directory, a GGUF file or a llama2.c checkpoint
-    -> (name, HF directory)."""
+def resolve_model_source(name: str | None) -> ModelSource:
+    """A model name (the embedded default), a checkpoint directory, a GGUF file or a llama2.c checkpoint."""
     if name in (None, "", DEFAULT_MODEL):
-        return DEFAULT_MODEL, gguf_to_hf_dir(embedded_default_gguf())
+        gguf = embedded_default_gguf()
+        return ModelSource(DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return path.stem, gguf_to_hf_dir(path)
+        return ModelSource(path.stem, gguf_to_hf_dir(path), path)
     if path.is_file() and llama2c.looks_like_llama2c(path):
-        return path.stem, llama2c_to_hf_dir(path)
+        return ModelSource(path.stem, llama2c_to_hf_dir(path))
     if path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return path.name, gguf_to_hf_dir(ggufs[0])
+                return ModelSource(path.name, gguf_to_hf_dir(ggufs[0]), ggufs[0])
             raise ModelLoadError(f"{path} is not a model directory: no config.json (and not one .gguf file)")
-        return path.name, path
+        return ModelSource(path.name, path)
     if path.exists():
         raise ModelLoadError(f"unsupported model file {path}: give a checkpoint directory or a .gguf file")
     raise ModelLoadError(
@@ -237,17 +353,47 @@ def resolve_model_path(name: str | None) -> tuple[str, Path]:
         "(nothing is downloaded from a hub)")
 
 
+def resolve_model_path(name: str | None) -> tuple[str, Path]:
+    """(name, HF directory) of a model name, checkpoint directory, GGUF file or llama2.c checkpoint."""
+    source = resolve_model_source(name)
+    return source.name, source.directory
+
+
+def resolve_quantization(quantization: str | None, source: ModelSource, device: str) -> str:
+    """none | gguf | int8 | int4; unset means the GGUF's own blocks for a GGUF file and none otherwise."""
+    choice = quantization or ("gguf" if source.gguf is not None else "none")
+    if choice not in ("none", "gguf", "int8", "int4"):
+        raise ModelLoadError(f"unknown quantization {choice!r}; use none, gguf (a GGUF's own blocks), int8 or int4")
+    if choice == "gguf" and source.gguf is None:
+        raise ModelLoadError(f"quantization gguf needs a GGUF model, and {source.name} is not one; "
+                             "use none, int8 or int4")
+    if choice != "none" and not device.startswith("cpu"):
+        raise ModelLoadError(f"quantized weights ({choice}) run on the CPU only; use quantization: none on {device}")
+    return choice
+
+
 def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
-               device: str = "cpu") -> LoadedModel:
+               device: str = "cpu", quantization: str | None = None) -> LoadedModel:
     from transformers import AutoTokenizer
 
-    model_name, directory = resolve_model_path(name)
+    source = resolve_model_source(name)
+    quantization = resolve_quantization(quantization, source, device)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
-    hf_config = load_hf_config(directory)
-    model = build_model(hf_config, _read_state_dict(directory), torch_dtype, device)
+    hf_config = load_hf_config(source.directory)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        packed = gguf_packed_weights(source.gguf, hf_config, source.directory) if quantization == "gguf" else {}
+        if packed and hf_config.tie_word_embeddings:
+            packed.pop("lm_head.weight", None)
+        skip = set(packed) | ({"lm_head.weight"} if "model.embed_tokens.weight" in packed
+                              and hf_config.tie_word_embeddings else set())
+        model = build_model(hf_config, _read_state_dict(source.directory, skip), torch_dtype, device, packed,
+                            quantization)
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer in {directory}: {exc}") from exc
+        raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-    return LoadedModel(model_name, directory, model, tokenizer, _eos_ids(hf_config, tokenizer, directory), max_len)
+    return LoadedModel(source.name, source.directory, model, tokenizer,
+                       _eos_ids(hf_config, tokenizer, source.directory), max_len)

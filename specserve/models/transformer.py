@@ -17,6 +17,7 @@ from torch import nn
 
 from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
+from specserve.models.quant import PackedWeight, QuantEmbedding, QuantLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
@@ -50,7 +51,18 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, row_invariant: bool) -> torch.Tensor:
+def fuse_quant(layers: list[QuantLinear]) -> QuantLinear | None:
+    """One packed weight for several quantized linears over the same input, when their formats match."""
+    packed = PackedWeight.concat([layer.packed for layer in layers])
+    if packed is None:
+        return None
+    biases = [layer.bias for layer in layers]
+    return QuantLinear(packed, None if biases[0] is None else torch.cat(biases))
+
+
+def linear(x: torch.Tensor, layer: nn.Module, row_invariant: bool) -> torch.Tensor:
+    if isinstance(layer, QuantLinear):  # row-invariant at any row count
+        return layer(x)
     if row_invariant:
         return cpu_kernels.small_linear(x, layer.weight, layer.bias)
     if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_LAYER_ROWS):
@@ -196,12 +208,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights for the kernels
+        self.qkv_quant: QuantLinear | None = None  # fused packed weights (same format)
 
     def project(self, x: torch.Tensor, row_invariant: bool):
+        sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+        if self.qkv_quant is not None:
+            return self.qkv_quant(x).split(sizes, dim=-1)
         if row_invariant and self.qkv is not None:  # one kernel call instead of three
-            fused = cpu_kernels.small_linear(x, *self.qkv)
-            sizes = (self.q_proj.weight.shape[0], self.k_proj.weight.shape[0], self.v_proj.weight.shape[0])
-            return fused.split(sizes, dim=-1)
+            return cpu_kernels.small_linear(x, *self.qkv).split(sizes, dim=-1)
         return tuple(linear(x, proj, row_invariant) for proj in (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x, cos, sin, cache: KVCache, slots, mask, row_invariant: bool) -> torch.Tensor:
@@ -236,6 +250,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weight for the kernels
+        self.gate_up_quant: QuantLinear | None = None  # fused packed weights (same format)
         if spec.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
             self.act = lambda t: F.gelu(t, approximate="tanh")
         elif spec.hidden_act == "silu":
@@ -244,7 +259,9 @@ class MLP(nn.Module):
             raise ValueError(f"unsupported activation {spec.hidden_act!r}")
 
     def forward(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
-        if row_invariant and self.gate_up is not None:
+        if self.gate_up_quant is not None:
+            gate, up = self.gate_up_quant(x).chunk(2, dim=-1)
+        elif row_invariant and self.gate_up is not None:
             gate, up = cpu_kernels.small_linear(x, self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = linear(x, self.gate_proj, row_invariant), linear(x, self.up_proj, row_invariant)
@@ -313,24 +330,49 @@ class CausalLM(nn.Module):
             self.vocab_subset = self._subset_weight = None
             return
         self.vocab_subset = torch.as_tensor(token_ids, dtype=torch.long).sort().values
-        self._subset_weight = self.lm_head_weight.detach()[self.vocab_subset].contiguous()
+        packed = self.lm_head_packed
+        rows = packed.rows(self.vocab_subset).to(self.dtype) if packed is not None else \
+            self.lm_head_weight.detach()[self.vocab_subset]
+        self._subset_weight = rows.contiguous()
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up for the row-invariant kernels (after the weights are loaded)."""
-        if not self.kernels_usable:
-            return
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            mlp.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])[0]
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+            if all(isinstance(m, QuantLinear) for m in qkv + gate_up):
+                attn.qkv_quant, mlp.gate_up_quant = fuse_quant(qkv), fuse_quant(gate_up)
+            elif self.kernels_usable and not any(isinstance(m, QuantLinear) for m in qkv + gate_up):
+                attn.qkv = fuse_linears(qkv)
+                mlp.gate_up = fuse_linears(gate_up)[0]
+
+    @property
+    def lm_head_module(self) -> nn.Module:
+        return self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+
+    @property
+    def lm_head_packed(self) -> PackedWeight | None:
+        """The lm_head's packed weight when it is quantized (then `lm_head_weight` does not exist densely)."""
+        return getattr(self.lm_head_module, "packed", None)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        if self.lm_head_packed is not None:
+            raise TypeError("the lm_head is quantized: use lm_head_packed (or load with quantization: none)")
+        return self.lm_head_module.weight
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' dtype (the norms are kept in it, whatever the linears' storage)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def quantization(self) -> str:
+        """What the linears are stored as: 'none', a GGUF type mix ('gguf') or 'int8' / 'int4'."""
+        kinds = {m.packed.kind for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+        if not kinds:
+            return "none"
+        return kinds.pop() if kinds <= {"int8"} or kinds <= {"int4"} else "gguf"
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
@@ -342,19 +384,12 @@ class CausalLM(nn.Module):
     def kernels_usable(self) -> bool:
         """Row-invariant kernels exist for bf16 on CPUs with AVX-512; other setups use PyTorch's kernels."""
         if self._kernels_usable is None:
-            weight = self.lm_head_weight
-            self._kernels_usable = (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            self._kernels_usable = (self.dtype == torch.bfloat16 and self.model.norm.weight.device.type == "cpu"
                                     and cpu_kernels.available())
         return self._kernels_usable
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
-        if row_invariant:
-            logits = cpu_kernels.small_linear(hidden, weight, out_fp32=True)
-        elif f32_kernel_fits(weight, hidden, MAX_KERNEL_TOKENS):
-            logits = cpu_kernels.f32_linear(hidden, weight)
-        else:
-            logits = F.linear(hidden, weight).float()
+        logits = self._lm_head(hidden, row_invariant)
         cap = self.spec.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -363,6 +398,18 @@ class CausalLM(nn.Module):
             full[..., self.vocab_subset] = logits
             logits = full
         return logits
+
+    def _lm_head(self, hidden: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary, or over a draft's subset (see restrict_vocab)."""
+        packed = self.lm_head_packed
+        if packed is not None and self.vocab_subset is None:
+            return packed.matmul(hidden, out_fp32=True)
+        weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
+        if row_invariant:
+            return cpu_kernels.small_linear(hidden, weight, out_fp32=True)
+        if f32_kernel_fits(weight, hidden, MAX_KERNEL_TOKENS):
+            return cpu_kernels.f32_linear(hidden, weight)
+        return F.linear(hidden, weight).float()
 
     @torch.inference_mode()
     def forward(

@@ -82,8 +82,9 @@ VLLM_HARMLESS_KEYS = {
     "speculative_disable_mqa_scorer", "spec_decoding_acceptance_method", "tokenizer",
 }
 VLLM_KEYS = VLLM_HARMLESS_KEYS | {
-    "model", "dtype", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "speculative_model",
-    "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min", "speculative_config",
+    "model", "dtype", "quantization", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
+    "speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
+    "speculative_config",
 }
 VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                   "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "acceptance_method",
@@ -133,7 +134,8 @@ def load_model_json(path: Path) -> DeploymentConfig:
     dtype = data.get("dtype")
     config = DeploymentConfig(model=resolve_path(str(data["model"]), base),
                               dtype=None if dtype in (None, "auto") else str(dtype),
-                              max_model_len=data.get("max_model_len"), decoupled=True, max_batch_size=0)
+                              max_model_len=data.get("max_model_len"), decoupled=True, max_batch_size=0,
+                              quantization=data.get("quantization"))
     if config.max_model_len is not None:
         int_at_least(config.max_model_len, "max_model_len", 2)
     spec = data.get("speculative_config")
@@ -438,12 +440,12 @@ class ModelRepository:
     def _build(self, source: ModelSource) -> Deployment:
         start = time.perf_counter()
         config = source.config
-        key = (config.model, config.dtype)
+        key = (config.model, config.dtype, config.quantization)
         with self._lock:
             target = self._targets.get(key)
             step_lock = self._step_locks.setdefault(key, threading.Lock())
         if target is None:
-            target = load_model(config.model, dtype=config.dtype)
+            target = load_model(config.model, dtype=config.dtype, quantization=config.quantization)
             with self._lock:
                 self._targets[key] = target
         engine = self.engine_factory(config, target)
@@ -467,7 +469,7 @@ class ModelRepository:
         with self._lock:
             if any(m.deployment is deployment for m in self.models.values()):
                 return
-            live = {(m.deployment.config.model, m.deployment.config.dtype)
+            live = {(m.deployment.config.model, m.deployment.config.dtype, m.deployment.config.quantization)
                     for m in self.models.values() if m.deployment is not None}
             for key in list(self._targets):
                 if key not in live:

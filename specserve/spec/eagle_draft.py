@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from specserve.spec.eagle import EagleHead, HeadCache
 from specserve.spec.proposers import Proposal, Proposer, SpecMethod, common_prefix_length, ngram_lookup
@@ -92,8 +91,8 @@ class EagleMethod(SpecMethod):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self.head
-        table = head.embed_tokens.weight if hasattr(head, "embed_tokens") else self.target.model.embed_tokens.weight
-        return F.embedding(tokens, table)
+        table = head.embed_tokens if hasattr(head, "embed_tokens") else self.target.model.embed_tokens
+        return table(tokens)  # the target's may be packed (QuantEmbedding): only these rows are dequantized
 
     def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
         """[T, V'] draft log-probabilities at the head's outputs (EAGLE-3: over the draft vocabulary)."""

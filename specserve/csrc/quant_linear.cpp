@@ -1,0 +1,447 @@
+// Row-invariant linear over low-bit packed weights (GGUF's Q4_0..Q8_0 and K-quants, int8 / int4).
+//
+// The math (the scheme llama.cpp runs on CPUs, with its exactness made explicit):
+//   weight row n, block b of G inputs:  w[k] = s[n,b] * (q[n,k] - z) - o[n,b]     q unsigned, 4..8 bits
+//   activation row m, block c of 32:    x[k] ~ dx[m,c] * p[m,k]                   p = round(x / dx), |p| <= 127
+//   y[m,n] = sum_b dx[m,c(b)] * ( s[n,b] * float(isum - z * psum) - o[n,b] * float(psum) )
+//   with isum = sum_k q * p and psum = sum_k p over the block: integers, exact in int32 whatever the order.
+// So every path (AVX-512 VNNI, AVX2, scalar) computes the same integers, then the same fp32 operations in the
+// same order per (m, n): the result is bit-identical across paths, row counts, row groupings and threads.
+// Activation quantization is per row (it depends only on x[m]), which keeps rows independent.
+//
+// Packed layout (made once by specserve/models/quant.py), N padded to tiles of 16 outputs, K in blocks of 32:
+//   qs      uint8  [tiles, K/32, 512]  8 bits: groups g = 0..7 of 4 inputs, each [16 outputs][4 inputs]
+//                  [tiles, K/32, 256]  4..6 bits: chunk c = 0..3 of 64 bytes holds group c (low nibble) and
+//                                      group c + 4 (high nibble), each byte at [output * 4 + input]
+//   planes uint8   [tiles, K/32, P, 8, 8]  bit 4 + p of q for group g: a 64-bit little-endian mask over the
+//                                      group's 64 bytes (P = bits - 4, 5- and 6-bit formats)
+//   scales float   [tiles, K/32, 32/G, 16], offsets (optional) the same; G = 16 or 32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;  // outputs per tile (one 512-bit lane each)
+constexpr int kBlock = 32;  // inputs per activation block
+constexpr int kMaxRows = 8;  // activation rows per pass over a weight tile
+
+struct Packed {
+  const uint8_t* qs;
+  const uint8_t* planes;  // nullptr unless bits is 5 or 6
+  const float* scales;
+  const float* offsets;  // nullptr: no offsets
+  int64_t tiles, kblocks, N;
+  int bits, group, zero;
+  int64_t qs_stride() const { return bits == 8 ? 512 : 256; }  // bytes per (tile, kblock)
+  int planes_count() const { return bits == 8 ? 0 : bits - 4; }
+  int subblocks() const { return kBlock / group; }
+};
+
+struct Acts {  // quantized activation rows
+  const int8_t* p;  // [M, K]
+  const float* dx;  // [M, K/32]
+  const int32_t* psum16;  // [M, K/16]
+  int64_t K;
+};
+
+// The fp32 tail shared by every path: the block's integer sum -> its contribution to y.
+inline float block_term(int32_t isum, int32_t psum, float s, float o, float dx, float acc, int zero,
+                        bool has_offset) {
+  float t = float(isum - zero * psum) * s;
+  if (has_offset) t = std::fma(-o, float(psum), t);
+  return std::fma(t, dx, acc);
+}
+
+// ---------------------------------------------------------------- scalar path (any CPU, and the reference)
+
+inline int unpack_q(const Packed& W, int64_t tile, int64_t kb, int g, int byte) {
+  const uint8_t* qs = W.qs + (tile * W.kblocks + kb) * W.qs_stride();
+  int q;
+  if (W.bits == 8) {
+    q = qs[g * 64 + byte];
+  } else {
+    const uint8_t v = qs[(g & 3) * 64 + byte];
+    q = g < 4 ? (v & 15) : (v >> 4);
+    const uint8_t* pl = W.planes + (tile * W.kblocks + kb) * W.planes_count() * 64;
+    for (int p = 0; p < W.planes_count(); ++p)
+      q |= ((pl[p * 64 + g * 8 + byte / 8] >> (byte % 8)) & 1) << (4 + p);
+  }
+  return q;
+}
+
+void tile_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int mr, float* out /*[mr][16]*/) {
+  const int sub = W.subblocks();
+  const int gpsub = 8 / sub;  // groups of 4 inputs per scale block
+  for (int i = 0; i < mr; ++i) {
+    const int64_t m = m0 + i;
+    for (int n = 0; n < kTile; ++n) {
+      float acc = 0.f;
+      for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+        const float dx = X.dx[m * W.kblocks + kb];
+        for (int sb = 0; sb < sub; ++sb) {
+          int32_t isum = 0;
+          for (int g = sb * gpsub; g < (sb + 1) * gpsub; ++g)
+            for (int j = 0; j < 4; ++j)
+              isum += unpack_q(W, tile, kb, g, n * 4 + j) * int32_t(X.p[m * X.K + kb * kBlock + g * 4 + j]);
+          const int32_t psum = sub == 2 ? X.psum16[m * (X.K / 16) + kb * 2 + sb]
+                                        : X.psum16[m * (X.K / 16) + kb * 2] + X.psum16[m * (X.K / 16) + kb * 2 + 1];
+          const int64_t si = ((tile * W.kblocks + kb) * sub + sb) * kTile + n;
+          acc = block_term(isum, psum, W.scales[si], W.offsets ? W.offsets[si] : 0.f, dx, acc, W.zero,
+                           W.offsets != nullptr);
+        }
+      }
+      out[i * kTile + n] = acc;
+    }
+  }
+}
+
+// The vector paths are templated on the format (BITS, SUB = 32 / group, OFFS = has offsets) and the number of
+// rows MR sharing each loaded weight block; the rows' integer sums are interleaved group by group so the
+// dot-product latency overlaps across rows.
+
+// ---------------------------------------------------------------- AVX-512 VNNI path
+
+#define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
+
+template <int BITS>
+SPECSERVE_AVX512 inline void load_groups512(const Packed& W, int64_t at, __m512i (&w)[8]) {
+  const uint8_t* qs = W.qs + at * (BITS == 8 ? 512 : 256);
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(qs + g * 64);
+  } else {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(qs + c * 64);
+      w[c] = _mm512_and_si512(v, low);
+      w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const uint8_t* pl = W.planes + at * (BITS - 4) * 64;
+    for (int p = 0; p < BITS - 4; ++p) {
+      const __m512i bit = _mm512_set1_epi8(char(1 << (4 + p)));
+      for (int g = 0; g < 8; ++g) {
+        uint64_t mask;
+        std::memcpy(&mask, pl + p * 64 + g * 8, 8);
+        w[g] = _mm512_mask_add_epi8(w[g], __mmask64(mask), w[g], bit);
+      }
+    }
+  }
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+  constexpr int kGroups = 8 / SUB;
+  const int64_t psum_stride = X.K / 16;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+    const int64_t at = tile * W.kblocks + kb;
+    __m512i w[8];
+    load_groups512<BITS>(W, at, w);
+    for (int sb = 0; sb < SUB; ++sb) {
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
+        for (int i = 0; i < MR; ++i) {
+          int32_t four;
+          std::memcpy(&four, X.p + (m0 + i) * X.K + kb * kBlock + g * 4, 4);
+          isum[i] = _mm512_dpbusd_epi32(isum[i], w[g], _mm512_set1_epi32(four));
+        }
+      const __m512 s = _mm512_loadu_ps(W.scales + (at * SUB + sb) * kTile);
+      for (int i = 0; i < MR; ++i) {
+        const int64_t m = m0 + i;
+        const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
+        const int32_t psum = SUB == 2 ? ps[sb] : ps[0] + ps[1];
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i], _mm512_set1_epi32(W.zero * psum))), s);
+        if constexpr (OFFS)
+          t = _mm512_fnmadd_ps(_mm512_loadu_ps(W.offsets + (at * SUB + sb) * kTile), _mm512_set1_ps(float(psum)), t);
+        acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * kTile, acc[i]);
+}
+
+// ---------------------------------------------------------------- AVX2 path (maddubs: u8 x s8 pairs, no overflow
+// since q <= 63 there; 8-bit weights are split into nibbles)
+
+#define SPECSERVE_AVX2 __attribute__((target("avx2,fma")))
+
+SPECSERVE_AVX2 inline __m256i expand_bits32(uint32_t bits) {  // bit j -> byte j = 0xFF or 0
+  const __m256i shuffle = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                                             0x0303030303030303);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuffle);
+  v = _mm256_and_si256(v, select);
+  return _mm256_cmpeq_epi8(v, select);
+}
+
+// w[g]: group g's half h (outputs 8h .. 8h + 7) as 32 bytes; for 8 bits, hi[g] holds the high nibbles.
+template <int BITS>
+SPECSERVE_AVX2 inline void load_half256(const Packed& W, int64_t at, int h, __m256i (&w)[8], __m256i (&hi)[8]) {
+  const uint8_t* qs = W.qs + at * (BITS == 8 ? 512 : 256);
+  const __m256i low = _mm256_set1_epi8(15);
+  if constexpr (BITS == 8) {
+    for (int g = 0; g < 8; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + g * 64 + h * 32));
+      w[g] = _mm256_and_si256(v, low);
+      hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + c * 64 + h * 32));
+      w[c] = _mm256_and_si256(v, low);
+      w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    const uint8_t* pl = W.planes + at * (BITS - 4) * 64;
+    for (int p = 0; p < BITS - 4; ++p) {
+      const __m256i bit = _mm256_set1_epi8(char(1 << (4 + p)));
+      for (int g = 0; g < 8; ++g) {
+        uint32_t mask;
+        std::memcpy(&mask, pl + p * 64 + g * 8 + h * 4, 4);
+        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(expand_bits32(mask), bit));
+      }
+    }
+  }
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+  constexpr int kGroups = 8 / SUB;
+  const int64_t psum_stride = X.K / 16;
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+      const int64_t at = tile * W.kblocks + kb;
+      __m256i w[8], hi[8];
+      load_half256<BITS>(W, at, h, w, hi);
+      for (int sb = 0; sb < SUB; ++sb) {
+        __m256i isum[MR];
+        for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+        for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
+          for (int i = 0; i < MR; ++i) {
+            int32_t four;
+            std::memcpy(&four, X.p + (m0 + i) * X.K + kb * kBlock + g * 4, 4);
+            const __m256i pv = _mm256_set1_epi32(four);
+            isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], pv), ones));
+            if constexpr (BITS == 8)
+              isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[g], pv), sixteens));
+          }
+        const int64_t si = (at * SUB + sb) * kTile + 8 * h;
+        const __m256 s = _mm256_loadu_ps(W.scales + si);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t m = m0 + i;
+          const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
+          const int32_t psum = SUB == 2 ? ps[sb] : ps[0] + ps[1];
+          __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_set1_epi32(W.zero * psum))), s);
+          if constexpr (OFFS)
+            t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);
+          acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+
+enum class Isa { scalar, avx2, avx512 };
+
+Isa detect() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::scalar;
+}
+
+Isa parse_isa(const std::string& name) {
+  const Isa best = detect();
+  if (name.empty() || name == "auto") return best;
+  const Isa want = name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : Isa::scalar;
+  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "scalar", "unknown ISA '", name,
+              "'; use auto, avx512, avx2 or scalar");
+  TORCH_CHECK(int(want) <= int(best), "this CPU cannot run the ", name, " path");
+  return want;
+}
+
+using TileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*);
+
+template <int BITS, int SUB, bool OFFS, int... MR>
+constexpr std::array<TileFn, kMaxRows + 1> tiles_for(Isa isa, std::integer_sequence<int, MR...>) {
+  if (isa == Isa::avx512) return {nullptr, tile_avx512<BITS, SUB, OFFS, MR + 1>...};
+  return {nullptr, tile_avx2<BITS, SUB, OFFS, MR + 1>...};
+}
+
+// The vector tile functions for a format, indexed by row count; empty for the scalar path.
+std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
+  const bool offs = W.offsets != nullptr;
+  if (isa == Isa::scalar) return {};
+  if (W.bits == 8 && !offs) return tiles_for<8, 1, false>(isa, rows);
+  if (W.bits == 4) return offs ? tiles_for<4, 1, true>(isa, rows) : tiles_for<4, 1, false>(isa, rows);
+  if (W.bits == 5) return offs ? tiles_for<5, 1, true>(isa, rows) : tiles_for<5, 1, false>(isa, rows);
+  if (W.bits == 6 && W.group == 16 && !offs) return tiles_for<6, 2, false>(isa, rows);
+  return {};  // a combination no GGUF type or quantizer makes: the scalar path still computes it
+}
+
+// p = round(x / dx) with dx = max|x| / 127 per block of 32; psum per 16. Row by row, in one fixed order.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t c = 0; c < K / kBlock; ++c) {
+        const T* src = x + m * K + c * kBlock;
+        float amax = 0.f;
+        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(float(src[j])));
+        const float d = amax / 127.f;
+        const float inv = d > 0.f ? 127.f / amax : 0.f;
+        dx[m * (K / kBlock) + c] = d;
+        int32_t sums[2] = {0, 0};
+        for (int j = 0; j < kBlock; ++j) {
+          const int q = int(std::nearbyint(float(src[j]) * inv));
+          p[m * K + c * kBlock + j] = int8_t(q);
+          sums[j / 16] += q;
+        }
+        psum16[m * (K / 16) + 2 * c] = sums[0];
+        psum16[m * (K / 16) + 2 * c + 1] = sums[1];
+      }
+    }
+  });
+}
+
+Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& offsets, int64_t N, int64_t bits, int64_t group, int64_t zero) {
+  TORCH_CHECK(qs.dtype() == at::kByte && qs.is_contiguous() && qs.dim() == 3, "qs: contiguous uint8 [tiles, K/32, B]");
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8, "bits must be 4, 5, 6 or 8");
+  TORCH_CHECK(group == 16 || group == 32, "group must be 16 or 32");
+  Packed W{qs.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, qs.size(0), qs.size(1), N, int(bits), int(group),
+           int(zero)};
+  TORCH_CHECK(qs.size(2) == W.qs_stride(), "qs has ", qs.size(2), " bytes per block, expected ", W.qs_stride());
+  TORCH_CHECK(N <= W.tiles * kTile, "N exceeds the packed tiles");
+  if (W.planes_count() > 0) {
+    TORCH_CHECK(planes.has_value() && planes->dtype() == at::kByte && planes->is_contiguous() &&
+                    planes->numel() == W.tiles * W.kblocks * W.planes_count() * 64,
+                "planes: contiguous uint8 [tiles, K/32, bits - 4, 8, 8]");
+    W.planes = planes->data_ptr<uint8_t>();
+  }
+  const int64_t scale_count = W.tiles * W.kblocks * W.subblocks() * kTile;
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.numel() == scale_count,
+              "scales: contiguous float32 [tiles, K/32, 32/group, 16]");
+  W.scales = scales.data_ptr<float>();
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->dtype() == at::kFloat && offsets->is_contiguous() && offsets->numel() == scale_count,
+                "offsets: like scales");
+    W.offsets = offsets->data_ptr<float>();
+  }
+  return W;
+}
+
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const std::optional<at::Tensor>& planes,
+                        const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t bits, int64_t group, int64_t zero,
+                        bool out_fp32, const std::string& isa_name) {
+  const Packed W = packed_from(qs, planes, scales, offsets, N, bits, group, zero);
+  const Isa isa = parse_isa(isa_name);
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K == W.kblocks * kBlock, "x has K=", K, ", the weight ", W.kblocks * kBlock);
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "bias: fp32 [N]");
+
+  std::vector<int8_t> p(M * K);
+  std::vector<float> dx(M * (K / kBlock));
+  std::vector<int32_t> psum16(M * (K / 16));
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, p.data(), dx.data(), psum16.data());
+  else
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
+  const Acts X{p.data(), dx.data(), psum16.data(), K};
+
+  const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_type));
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* y32 = out_type == at::kFloat ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
+  const auto fns = tiles(isa, W);
+  at::parallel_for(0, W.tiles, 1, [&](int64_t begin, int64_t end) {
+    float block[kMaxRows * kTile];
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
+        if (fns[mr]) fns[mr](W, X, tile, m0, block);
+        else tile_scalar(W, X, tile, m0, mr, block);
+        const int64_t count = std::min<int64_t>(kTile, N - tile * kTile);
+        for (int i = 0; i < mr; ++i)
+          for (int64_t j = 0; j < count; ++j) {
+            const int64_t n = tile * kTile + j;
+            const float v = b ? block[i * kTile + j] + b[n] : block[i * kTile + j];
+            if (y32) y32[(m0 + i) * N + n] = v;
+            else y16[(m0 + i) * N + n] = at::BFloat16(v);
+          }
+      }
+  });
+  return y;
+}
+
+// The dequantized weight rows `rows` (fp32 [len, K]): s * (q - z) - o, for embedding lookups and tests.
+at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, const std::optional<at::Tensor>& planes,
+                           const at::Tensor& scales, const std::optional<at::Tensor>& offsets, int64_t N,
+                           int64_t bits, int64_t group, int64_t zero) {
+  const Packed W = packed_from(qs, planes, scales, offsets, N, bits, group, zero);
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const int64_t R = rows.numel(), K = W.kblocks * kBlock;
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ids[r] >= 0 && ids[r] < N, "row ", ids[r], " out of range [0, ", N, ")");
+  at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  const int sub = W.subblocks();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t tile = ids[r] / kTile, n = ids[r] % kTile;
+      for (int64_t kb = 0; kb < W.kblocks; ++kb)
+        for (int k = 0; k < kBlock; ++k) {
+          const int g = k / 4, sb = k / W.group;
+          const int64_t si = ((tile * W.kblocks + kb) * sub + sb) * kTile + n;
+          const float q = float(unpack_q(W, tile, kb, g, int(n) * 4 + k % 4) - W.zero);
+          dst[r * K + kb * kBlock + k] = q * W.scales[si] - (W.offsets ? W.offsets[si] : 0.f);
+        }
+    }
+  });
+  return out;
+}
+
+std::string best_isa() {
+  switch (detect()) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x @ dequant(W).T over packed low-bit weights, row-invariant");
+  m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
+  m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");
+}

@@ -1,0 +1,341 @@
+"""Low-bit weights: GGUF blocks and int8 / int4 quantization, packed for `specserve/csrc/quant_linear.cpp`.
+
+Every supported format is one affine code per weight (the layouts of ggml's `ggml-common.h`):
+
+    w[n, k] = s[n, b] * (q[n, k] - z) - o[n, b]        q unsigned (4, 5, 6 or 8 bits), b = k // G
+
+| format | bits | G  | z   | s, o                         | bytes / 32 weights (GGUF -> packed) |
+|--------|------|----|-----|------------------------------|-------------------------------------|
+| Q4_0   | 4    | 32 | 8   | d                            | 18 -> 20 |
+| Q4_1   | 4    | 32 | 0   | d, -m                        | 20 -> 24 |
+| Q5_0   | 5    | 32 | 16  | d                            | 22 -> 24 |
+| Q5_1   | 5    | 32 | 0   | d, -m                        | 24 -> 28 |
+| Q8_0   | 8    | 32 | 128 | d (q stored as q + 128)      | 34 -> 36 |
+| Q4_K   | 4    | 32 | 0   | d * sc, dmin * m             | 18 -> 24 |
+| Q5_K   | 5    | 32 | 0   | d * sc, dmin * m             | 22 -> 28 |
+| Q6_K   | 6    | 16 | 32  | d * sc                       | 26.25 -> 32 |
+| int8   | 8    | 32 | 128 | max abs / 127 (symmetric)    | from fp weights |
+| int4   | 4    | 32 | 0   | (max - min) / 15, -min       | from fp weights |
+
+The products d * sc of the K-quants are exact in fp32 (an fp16 times a 6- or 8-bit integer), so the packed
+weights are the GGUF's own values, never widened to bf16. The kernel quantizes each activation row to int8 per
+block of 32 (as llama.cpp does) and sums q * p in integers, so a row's result does not depend on the other rows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.models import cpu_kernels
+
+TILE = 16  # outputs per kernel tile
+BLOCK = 32  # inputs per packed block
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+class QuantizationError(ValueError):
+    """A weight or CPU the quantized path cannot take; the message names what is supported."""
+
+
+@dataclass
+class Codes:
+    """One weight as affine codes: q uint8 [N, K], scales / offsets float32 [N, K // group]."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    bits: int
+    group: int
+    zero: int
+    kind: str
+
+
+# ---------------------------------------------------------------- GGUF blocks -> codes
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields [..., 2] -> float32 [...]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-weight blocks: byte j holds weight j (low nibble) and weight j + 16 (high nibble)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _high_bit_32(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: bit j of the little-endian uint32 is weight j's fifth bit -> 0 or 16 per weight."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.astype(np.uint8) << 4
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4)."""
+    s = packed.astype(np.uint8)
+    low = (s[..., 0:4] & 63, s[..., 4:8] & 63)
+    high = ((s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4), (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4))
+    return np.concatenate([low[0], high[0]], -1), np.concatenate([low[1], high[1]], -1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: 4 chunks of 32 bytes; chunk j holds weights 64j + l (low) and 64j + 32 + l (high)."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack([chunks & 15, chunks >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Blocks [N, nb, bytes] -> (q [N, nb, weights], scales [N, nb, groups], offsets or None)."""
+    if kind == "Q8_0":
+        q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q, _f16(b[..., 0:2])[..., None], None
+    if kind in ("Q4_0", "Q4_1"):
+        start = 2 if kind == "Q4_0" else 4
+        offsets = None if kind == "Q4_0" else -_f16(b[..., 2:4])[..., None]
+        return _nibbles_32(b[..., start:start + 16]), _f16(b[..., 0:2])[..., None], offsets
+    if kind in ("Q5_0", "Q5_1"):
+        start = 2 if kind == "Q5_0" else 4
+        offsets = None if kind == "Q5_0" else -_f16(b[..., 2:4])[..., None]
+        q = _nibbles_32(b[..., start + 4:start + 20]) | _high_bit_32(b[..., start:start + 4])
+        return q, _f16(b[..., 0:2])[..., None], offsets
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+        sc, m = _k_scales(b[..., 4:16])
+        if kind == "Q4_K":
+            q = _k_nibbles(b[..., 16:144])
+        else:  # qh[32]: bit 2j (low half) and 2j + 1 (high half) of byte l are the fifth bits of chunk j
+            qh = b[..., 16:48]
+            q = _k_nibbles(b[..., 48:176])
+            fifth = np.stack([(qh >> shift) & 1 for shift in range(8)], axis=-2)  # [.., 8 halves, 32]
+            q = q | (fifth.reshape(*qh.shape[:-1], 256) << 4)
+        return q, d * sc.astype(np.float32), dmin * m.astype(np.float32)
+    if kind == "Q6_K":
+        ql, qh = b[..., 0:128], b[..., 128:192]
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)
+        d = _f16(b[..., 208:210])[..., None]
+        halves = []
+        for h in range(2):  # 128 weights each: 4 runs of 32 (ggml's q1..q4)
+            lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+            runs = [(lo[..., :32] & 15), (lo[..., 32:] & 15), (lo[..., :32] >> 4), (lo[..., 32:] >> 4)]
+            halves += [run | (((hi >> (2 * r)) & 3) << 4) for r, run in enumerate(runs)]
+        return np.concatenate(halves, axis=-1), d * sc, None
+    raise QuantizationError(f"GGUF tensor type {kind} is not supported; supported: {', '.join(GGUF_TYPES)} "
+                            "(or load it dequantized with quantization: none)")
+
+
+_FORMATS = {  # kind -> (bits, group, zero, block bytes, weights per block)
+    "Q4_0": (4, 32, 8, 18, 32), "Q4_1": (4, 32, 0, 20, 32), "Q5_0": (5, 32, 16, 22, 32),
+    "Q5_1": (5, 32, 0, 24, 32), "Q8_0": (8, 32, 128, 34, 32), "Q4_K": (4, 32, 0, 144, 256),
+    "Q5_K": (5, 32, 0, 176, 256), "Q6_K": (6, 16, 32, 210, 256),
+}
+
+
+def decode_gguf(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Codes:
+    """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of HF shape (N, K) -> codes."""
+    if kind not in _FORMATS:
+        _decode_blocks(kind, raw)  # raises with the supported list
+    bits, group, zero, block_bytes, per_block = _FORMATS[kind]
+    n, k = shape
+    if k % per_block:
+        raise QuantizationError(f"a {kind} tensor needs rows of a multiple of {per_block} weights, not {k}")
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // per_block, block_bytes)
+    q, scales, offsets = _decode_blocks(kind, blocks)
+    flat = lambda a: None if a is None else np.ascontiguousarray(a.reshape(n, -1), dtype=np.float32)
+    return Codes(q.reshape(n, k).astype(np.uint8), flat(scales), flat(offsets), bits, group, zero, kind)
+
+
+# ---------------------------------------------------------------- fp weights -> codes
+
+def quantize_dense(weight: torch.Tensor, kind: str) -> Codes:
+    """Weight-only quantization of an fp weight [N, K] (K a multiple of 32): int8 symmetric or int4 asymmetric
+    per block of 32."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise QuantizationError(f"{kind} quantization needs in_features divisible by {BLOCK}, not {k}")
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    if kind == "int8":
+        scale = w.abs().amax(-1) / 127
+        q = torch.round(w / torch.where(scale > 0, scale, 1)[..., None]).clamp(-127, 127) + 128
+        return Codes(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(), None, 8, 32, 128, "int8")
+    if kind == "int4":
+        low, high = w.amin(-1), w.amax(-1)
+        scale = (high - low) / 15
+        q = torch.round((w - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
+        return Codes(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(), (-low).numpy(), 4, 32, 0, "int4")
+    raise QuantizationError(f"unknown quantization {kind!r}; use one of {', '.join(QUANTIZATIONS)}")
+
+
+# ---------------------------------------------------------------- codes -> the kernel's layout
+
+@dataclass
+class PackedWeight:
+    """A weight in the kernel's layout (see quant_linear.cpp); N padded to whole tiles with zero scales."""
+
+    qs: torch.Tensor  # uint8 [tiles, K/32, 512 (8 bits) or 256 (4..6 bits)]
+    planes: torch.Tensor | None  # uint8 [tiles, K/32, bits - 4, 8, 8], 5- and 6-bit formats
+    scales: torch.Tensor  # float32 [tiles, K/32, 32/group, 16]
+    offsets: torch.Tensor | None  # float32, like scales
+    out_features: int
+    in_features: int
+    bits: int
+    group: int
+    zero: int
+    kind: str
+
+    @classmethod
+    def from_codes(cls, codes: Codes) -> "PackedWeight":
+        n, k = codes.q.shape
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+        q = np.pad(codes.q, ((0, pad), (0, 0)))
+        # [tiles, 16 outputs, K/32, 8 groups, 4 inputs] -> [tiles, K/32, 8 groups, 16 outputs * 4 inputs]
+        groups = q.reshape(tiles, TILE, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
+        planes = None
+        if codes.bits == 8:
+            qs = groups.reshape(tiles, k // BLOCK, 512)
+        else:
+            low = groups & 15
+            qs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(tiles, k // BLOCK, 256)
+            if codes.bits > 4:
+                bits = [(groups >> (4 + p)) & 1 for p in range(codes.bits - 4)]
+                planes = np.stack([np.packbits(b, axis=-1, bitorder="little") for b in bits], axis=2)
+
+        def per_tile(values: np.ndarray | None) -> torch.Tensor | None:
+            if values is None:
+                return None
+            padded = np.pad(values, ((0, pad), (0, 0)))
+            per_block = BLOCK // codes.group
+            return torch.from_numpy(np.ascontiguousarray(
+                padded.reshape(tiles, TILE, k // BLOCK, per_block).transpose(0, 2, 3, 1), dtype=np.float32))
+
+        tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+        return cls(tensor(qs), tensor(planes), per_tile(codes.scales), per_tile(codes.offsets), n, k,
+                   codes.bits, codes.group, codes.zero, codes.kind)
+
+    @staticmethod
+    def concat(parts: list["PackedWeight"]) -> "PackedWeight | None":
+        """One weight for several over the same input (fused q/k/v, gate/up), or None when the formats differ
+        or a part does not fill whole tiles."""
+        first = parts[0]
+        same = all((p.bits, p.group, p.zero, p.offsets is None, p.in_features)
+                   == (first.bits, first.group, first.zero, first.offsets is None, first.in_features) for p in parts)
+        if not same or any(p.out_features % TILE for p in parts):
+            return None
+        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
+        return PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
+                            sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
+                            first.zero, first.kind)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.planes, self.scales, self.offsets)
+                   if t is not None)
+
+    def _args(self):
+        return (self.qs, self.planes, self.scales, self.offsets)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
+        """x [..., K] (bf16 or fp32) @ W.T + bias -> [..., N] in x's dtype (fp32 with out_fp32)."""
+        y = _kernel().quant_linear(x.reshape(-1, self.in_features), *self._args(), bias, self.out_features,
+                                   self.bits, self.group, self.zero, out_fp32, isa())
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows `ids` (fp32 [..., K])."""
+        flat = _kernel().dequantize_rows(ids.reshape(-1), *self._args(), self.out_features, self.bits,
+                                         self.group, self.zero)
+        return flat.view(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+
+PACK_VERSION = 1  # bump when the packed layout changes: cached files of another version are ignored
+_META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind")
+_TENSOR_FIELDS = ("qs", "planes", "scales", "offsets")
+
+
+def save_packed(weights: dict[str, PackedWeight], path) -> None:
+    """Packed weights to one safetensors file (written aside, then renamed: a killed write leaves no file)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, w in weights.items():
+        tensors.update({f"{name}.{f}": getattr(w, f) for f in _TENSOR_FIELDS if getattr(w, f) is not None})
+        meta[name] = {f: getattr(w, f) for f in _META_FIELDS}
+    partial = f"{path}.partial"
+    save_file(tensors, partial, metadata={"specserve_packed": json.dumps(meta), "version": str(PACK_VERSION)})
+    os.replace(partial, path)
+
+
+def load_packed(path) -> dict[str, PackedWeight] | None:
+    """What save_packed wrote, or None if the file is of another layout version."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as reader:
+        header = reader.metadata() or {}
+        if header.get("version") != str(PACK_VERSION):
+            return None
+        names = set(reader.keys())
+        tensor = lambda key: reader.get_tensor(key) if key in names else None
+        return {name: PackedWeight(*(tensor(f"{name}.{f}") for f in _TENSOR_FIELDS), **fields)
+                for name, fields in json.loads(header["specserve_packed"]).items()}
+
+
+def isa() -> str:
+    """The kernel path: SPECSERVE_QUANT_ISA (avx512, avx2, scalar) if set, else the best this CPU runs."""
+    return os.environ.get("SPECSERVE_QUANT_ISA", "auto")
+
+
+_ext = None
+
+
+def _kernel():
+    global _ext
+    if _ext is None:
+        _ext = cpu_kernels.load_quant()
+    return _ext
+
+
+def best_isa() -> str:
+    return _kernel().best_isa()
+
+
+# ---------------------------------------------------------------- modules
+
+class QuantLinear(nn.Module):
+    """An nn.Linear whose weight is packed; always row-invariant, for any number of rows."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.packed = packed
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+
+    def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+        return self.packed.matmul(x, self.bias, out_fp32)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored packed (a tied lm_head): lookups dequantize only the rows asked for."""
+
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.packed = packed
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.packed.rows(tokens).to(self.dtype)
+
+
+def quantize_linear(layer: nn.Linear, kind: str) -> QuantLinear:
+    return QuantLinear(PackedWeight.from_codes(quantize_dense(layer.weight, kind)), layer.bias)

@@ -1,0 +1,178 @@
+"""Quantized weights: GGUF block decoding, the packed kernel on every ISA path this CPU runs, and losslessness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from specserve.engine.engine import Engine
+from specserve.models import quant
+from specserve.models.loader import ModelLoadError, _llama_row_order, load_model
+from specserve.spec.proposers import DraftModelMethod, NGramMethod
+from specserve.spec.sampling import SamplingParams
+
+# fp16 fields (byte offsets) of each block: random bytes elsewhere are valid codes
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+FORMATS = [*quant.GGUF_TYPES, "int8", "int4"]
+
+
+def isa_paths() -> list[str]:
+    order = ["scalar", "avx2", "avx512"]
+    return order[:order.index(quant.best_isa()) + 1]
+
+
+def random_gguf(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a GGUF type (uint8 [rows, bytes per row]) with sane fp16 scales."""
+    _, _, _, block_bytes, per_block = quant._FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[kind]:
+        scale = (rng.random((rows, cols // per_block)) * 0.02 + 1e-3).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale[..., None].view(np.uint8).reshape(rows, cols // per_block, 2)
+    return blocks.reshape(rows, -1)
+
+
+def packed_weight(kind: str, rows: int = 80, cols: int = 512, seed: int = 0):
+    """(packed weight, its exact dense values) of a GGUF type, or of int8 / int4 quantization."""
+    if kind in quant.GGUF_TYPES:
+        raw = random_gguf(kind, rows, cols, seed)
+        dense = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, cols)
+        return quant.PackedWeight.from_codes(quant.decode_gguf(kind, raw, (rows, cols))), torch.from_numpy(dense)
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    packed = quant.PackedWeight.from_codes(quant.quantize_dense(weight, kind))
+    return packed, packed.dequantize()
+
+
+@pytest.mark.parametrize("kind", quant.GGUF_TYPES)
+def test_gguf_blocks_decode_to_gguf_py_values(kind):
+    raw = random_gguf(kind, 35, 512, seed=1)  # 35 rows: a partial last tile
+    expected = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(35, 512)
+    packed = quant.PackedWeight.from_codes(quant.decode_gguf(kind, raw, (35, 512)))
+    assert np.array_equal(packed.dequantize().numpy(), expected)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_dense_quantization_error_is_bounded(kind):
+    weight = torch.randn(64, 256)
+    weight[3] = 0.5  # a constant block: zero range must not divide by zero
+    got = quant.PackedWeight.from_codes(quant.quantize_dense(weight, kind)).dequantize()
+    blocks = weight.reshape(64, 8, 32)
+    step = blocks.abs().amax(-1) / 127 if kind == "int8" else (blocks.amax(-1) - blocks.amin(-1)) / 15
+    assert (got - weight).abs().reshape(64, 8, 32).amax(-1).le(step * 0.5 + 1e-5).all()
+    assert torch.equal(got[3], weight[3])
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_kernel_paths_agree_are_row_invariant_and_accurate(kind, monkeypatch):
+    packed, dense = packed_weight(kind)
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    reference = x.double() @ dense.double().T
+    outputs = {}
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        full = packed.matmul(x, out_fp32=True)
+        for rows in (1, 2, 3, 5, 8, 9, 17, 64):  # every row count gives each row the same bits
+            for start in range(0, 64, rows):
+                assert torch.equal(packed.matmul(x[start:start + rows], out_fp32=True), full[start:start + rows])
+        outputs[isa] = full
+    for isa, out in outputs.items():
+        assert torch.equal(out, outputs["scalar"]), isa  # exact integer sums, the same fp32 tail
+    error = (outputs["scalar"].double() - reference).norm() / reference.norm()
+    assert error < 0.02  # the int8 activation rounding, as llama.cpp's
+
+
+def test_kernel_bias_and_dtypes():
+    packed, dense = packed_weight("Q4_K", rows=48, cols=256)
+    bias = torch.randn(48)
+    x = torch.randn(3, 256)
+    y32 = packed.matmul(x, bias, out_fp32=True)
+    assert torch.equal(y32, packed.matmul(x, out_fp32=True) + bias)
+    y16 = packed.matmul(x.to(torch.bfloat16), bias)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (3, 48)
+    reference = x.to(torch.bfloat16).float() @ dense.T + bias
+    assert (y16.float() - reference).norm() / reference.norm() < 0.02
+
+
+def test_fused_weights_compute_what_the_parts_do():
+    parts = [packed_weight(kind, rows=rows, cols=256, seed=i)[0]
+             for i, (kind, rows) in enumerate([("Q5_0", 64), ("Q5_0", 32), ("Q5_0", 32)])]
+    fused = quant.PackedWeight.concat(parts)
+    x = torch.randn(4, 256)
+    assert torch.equal(fused.matmul(x, out_fp32=True), torch.cat([p.matmul(x, out_fp32=True) for p in parts], -1))
+    assert quant.PackedWeight.concat([parts[0], packed_weight("Q8_0", rows=32, cols=256)[0]]) is None
+
+
+def test_packed_weights_cache_round_trip(tmp_path):
+    weights = {"a.weight": packed_weight("Q6_K")[0], "b.weight": packed_weight("Q4_1")[0]}
+    quant.save_packed(weights, tmp_path / "w.st")
+    back = quant.load_packed(tmp_path / "w.st")
+    x = torch.randn(2, 512)
+    for name, w in weights.items():
+        assert torch.equal(back[name].matmul(x, out_fp32=True), w.matmul(x, out_fp32=True))
+
+
+def test_llama_row_order_undoes_llama_cpp_permutation():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(32 * 3).reshape(32, 3)
+    expected = LlamaTensorProcessor()._reverse_permute_weights(rows, 4, 4)
+    assert np.array_equal(rows[_llama_row_order(32, 4)], expected)
+
+
+def test_bad_quantization_requests_get_clear_errors(checkpoint):
+    with pytest.raises(ModelLoadError, match="int8 or int4"):
+        load_model(checkpoint("llama"), dtype=torch.float32, quantization="int3")
+    with pytest.raises(ModelLoadError, match="needs a GGUF model"):
+        load_model(checkpoint("llama"), dtype=torch.float32, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        load_model(checkpoint("llama"), dtype=torch.float32, quantization="int8", device="cuda")
+    with pytest.raises(quant.QuantizationError, match="supported: Q4_0"):
+        quant.decode_gguf("Q2_K", np.zeros((1, 84), np.uint8), (1, 256))
+    with pytest.raises(quant.QuantizationError, match="divisible by 32"):
+        quant.quantize_dense(torch.randn(4, 40), "int8")
+
+
+@pytest.fixture(scope="module")
+def quantized(checkpoint):
+    made = {}
+
+    def get(family: str, kind: str):
+        if (family, kind) not in made:
+            made[family, kind] = load_model(checkpoint(family), dtype=torch.float32, quantization=kind)
+        return made[family, kind]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_speculation_equals_plain(family, kind, quantized, loaded):
+    target = quantized(family, kind)
+    assert target.model.quantization == kind
+    plain = Engine(target)
+    dense_draft = loaded(family, seed=1).model
+    params = SamplingParams(max_tokens=32)
+    for prompt in ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The lazy"]:
+        expected = plain.generate(prompt, params).token_ids
+        for method, draft_len in [(NGramMethod(1, 3), 4), (DraftModelMethod(dense_draft, 384), 3),
+                                  (DraftModelMethod(target.model, 384), 6)]:  # a self-draft accepts all
+            assert Engine(target, method, draft_len).generate(prompt, params).token_ids == expected
+
+
+def test_quantized_model_stays_close_to_dense(quantized, loaded):
+    """int8 logits track the dense model's; int4 ones are coarser but still correlated (a garbage check)."""
+    dense = loaded("llama").model
+    tokens = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46]])
+    pos = torch.arange(8)[None]
+
+    def logits(model):
+        from specserve.models.kv_cache import KVCache
+        return model(tokens, pos, KVCache.for_model(model, 1, 16), pos).logits
+
+    want = logits(dense)
+    for kind, bound in (("int8", 0.05), ("int4", 0.35)):
+        got = logits(quantized("llama", kind).model)
+        assert ((got - want).norm() / want.norm()) < bound, kind
