@@ -126,7 +126,8 @@ def bench(
     dataset: Path = typer.Option(..., help="question.jsonl (EAGLE/MT-bench) or genai-perf JSONL with 'text'."),
     methods: str = typer.Option("ar,ngram,hf,hf-pld",
                                 help="Comma-separated: ar, ngram, draft_target, medusa, eagle, eagle2, eagle3, hf, "
-                                     "hf-pld; an EAGLE method with '+ngram' (eagle3+ngram) merges prompt lookup "
+                                     "hf-pld, llamacpp, llamacpp-pld (with llama-cpp-python installed: "
+                                     "pip install 'specserve[llamacpp]'); an EAGLE method with '+ngram' (eagle3+ngram) merges prompt lookup "
                                      "into its trees."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
@@ -147,12 +148,12 @@ def bench(
                                          "verification) for each eagle method run, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
-    from specserve.bench.offline import HF_METHODS, format_table, load_prompts, run_bench
+    from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
 
     check_output_file(json_file)
     try:
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        names = [m if m in HF_METHODS else canonical_method(m) for m in names]
+        names = [m if m in PEER_METHODS else canonical_method(m) for m in names]
         if "ar" not in names:
             names.insert(0, "ar")  # every ratio is against plain decoding
         names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
@@ -171,8 +172,14 @@ def bench(
         fail(str(exc))
     typer.echo(format_table(results))
     costs = measure_step_costs(target) if step_costs else None
+    floor = None
     if costs:
+        from specserve.bench.offline import roofline
         typer.echo("forward ms by tokens: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
+        floor = roofline(target.model, costs[1])
+        typer.echo(f"plain step {floor['plain_step_ms']:.1f} ms; its weights, {floor['weights_mb']:.0f} MB read "
+                   f"once at {floor['read_gb_per_s']:.1f} GB/s (measured): {floor['roofline_ms']:.1f} ms "
+                   f"(step / roofline {floor['step_over_roofline']:.2f}x)")
     trees = {}
     if tree_costs:
         from specserve.bench.offline import tree_step_costs
@@ -187,6 +194,7 @@ def bench(
                   "max_draft_len": config.max_draft_len, "methods": results}
         if costs:
             report["forward_ms_by_tokens"] = costs
+            report["roofline"] = floor
         if trees:
             report["step_ms_by_tree_nodes"] = trees
         json_file.write_text(json.dumps(report, indent=2))

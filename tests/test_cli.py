@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from specserve.cli import app
@@ -136,3 +137,29 @@ def test_bench_refuses_an_unwritable_result_file_before_running(tmp_path):
     (tmp_path / "q.jsonl").write_text('{"text": "hi"}\n')
     result = invoke("bench", "--dataset", tmp_path / "q.jsonl", "--model", tmp_path / "no-model", "--json", tmp_path)
     assert result.exit_code == 2 and "cannot write" in result.output
+
+
+def test_bench_llamacpp_methods_say_what_they_need(checkpoint):
+    """llama.cpp peers need llama-cpp-python and a GGUF file: a tiny HF checkpoint gets a clear error, not a crash."""
+    from specserve.bench.offline import run_bench
+    from specserve.config import ConfigError, DeploymentConfig
+    from specserve.models.loader import load_model
+
+    target = load_model(checkpoint("llama"), dtype=torch.float32)
+    with pytest.raises(ConfigError, match="llama-cpp-python|GGUF models only"):
+        run_bench(DeploymentConfig(model=checkpoint("llama")), target, ["def f():"], ["ar", "llamacpp"], 4)
+
+
+def test_roofline_counts_the_weights_a_step_reads(checkpoint):
+    from specserve.bench.offline import roofline, streamed_weight_bytes
+    from specserve.models.loader import load_model
+
+    dense = load_model(checkpoint("llama"), dtype=torch.float32)
+    packed = load_model(checkpoint("llama"), dtype=torch.float32, quantization="int4")
+    spec = dense.model.spec
+    embedding = spec.vocab_size * spec.hidden_size * 4
+    assert streamed_weight_bytes(dense.model) == sum(p.numel() * 4 for p in dense.model.parameters()) - embedding
+    assert streamed_weight_bytes(packed.model) < streamed_weight_bytes(dense.model) / 3
+    report = roofline(dense.model, 5.0)
+    assert report["read_gb_per_s"] > 0
+    assert report["step_over_roofline"] == pytest.approx(5.0 / report["roofline_ms"], rel=0.01)

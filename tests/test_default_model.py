@@ -43,3 +43,31 @@ def test_cli_generate_on_the_default(default_model):
                                       "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["metrics"]["output_tokens"] >= 1
+
+
+# Written for this test (not from any benchmark): plain prose and code the model should find unsurprising.
+PERPLEXITY_TEXT = (
+    "The library opens at nine in the morning and closes at six in the evening. On weekends it stays open until "
+    "noon. Visitors can borrow up to five books at a time, and each loan lasts two weeks.\n\n"
+    "def mean(values):\n    \"\"\"Return the arithmetic mean of a list of numbers.\"\"\"\n"
+    "    return sum(values) / len(values)\n"
+)
+
+
+def perplexity(model, ids: list[int]) -> float:
+    import torch
+
+    from specserve.models.kv_cache import KVCache
+
+    pos = torch.arange(len(ids))[None]
+    logits = model(torch.tensor([ids]), pos, KVCache.for_model(model, 1, len(ids)), pos).logits[0, :-1]
+    return float(torch.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
+
+
+def test_gguf_blocks_keep_the_perplexity_of_the_dequantized_model(default_model):
+    assert default_model.model.quantization == "gguf"
+    dense = load_model(DEFAULT_MODEL, quantization="none")
+    ids = default_model.tokenizer(PERPLEXITY_TEXT).input_ids
+    packed, reference = perplexity(default_model.model, ids), perplexity(dense.model, ids)
+    assert reference < 20  # the text is easy for the model: a broken reference fails here
+    assert packed < reference * 1.05, (packed, reference)

@@ -1,12 +1,17 @@
 """Offline benchmark: every method, plain decoding and HF transformers on the same prompts, in one run.
 
-Concurrency 1, greedy. Each method runs every prompt once after a warm-up request; tokens/s is total output
-tokens over total wall time, so ratios between methods are side by side on the same machine and prompts.
+Concurrency 1, greedy. Each method first runs the first prompt in full, untimed (one-time costs such as kernel
+compilation, cost tables and caches land there and are reported apart as `warmup_s`), then every prompt once;
+tokens/s is total output tokens over total wall time, so ratios between methods are side by side on the same
+machine, prompts and token ids. `llamacpp` / `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the
+same GGUF, through llama-cpp-python when it is installed) take the very token ids specserve's tokenizer makes.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,10 +20,12 @@ from tqdm import tqdm
 
 from specserve.bench.jsonl import read_jsonl
 from specserve.config import ConfigError, DeploymentConfig, build_engine, method_variant
-from specserve.models.loader import LoadedModel
+from specserve.models.loader import LoadedModel, resolve_model_source
 from specserve.spec.sampling import SamplingParams
 
 HF_METHODS = ("hf", "hf-pld")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
+PEER_METHODS = HF_METHODS + LLAMACPP_METHODS
 
 
 def load_prompts(path: Path, limit: int | None = None) -> list[str]:
@@ -45,6 +52,7 @@ class MethodRun:
     drafted: int = 0
     accepted: int = 0
     ttft: list[float] = field(default_factory=list)
+    warmup_s: float = 0.0
 
     def summary(self, ar: "MethodRun | None") -> dict:
         tps = self.output_tokens / self.seconds if self.seconds else 0.0
@@ -59,13 +67,33 @@ class MethodRun:
             "total_output_tokens": self.output_tokens,
             "total_time_s": round(self.seconds, 3),
             "mean_ttft_s": round(sum(self.ttft) / len(self.ttft), 4) if self.ttft else None,
+            "warmup_s": round(self.warmup_s, 3),
         }
+
+
+def warm_up(generate: Callable, prompt: str, max_tokens: int) -> float:
+    """One untimed request of full length; returns its seconds (the one-time costs), reported apart."""
+    start = time.perf_counter()
+    generate(prompt, max_tokens)
+    return time.perf_counter() - start
+
+
+def run_timed(generate: Callable[[str, int], tuple[list[int], float]], prompts: list[str], max_tokens: int,
+              name: str) -> MethodRun:
+    """A peer's generate(prompt, new_tokens) -> (token ids, seconds) over the prompts, after the warm-up."""
+    run = MethodRun(warmup_s=warm_up(generate, prompts[0], max_tokens))
+    for prompt in tqdm(prompts, desc=name, leave=False):
+        tokens, seconds = generate(prompt, max_tokens)
+        run.outputs.append(tokens)
+        run.output_tokens += len(tokens)
+        run.seconds += seconds
+    return run
 
 
 def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) -> MethodRun:
     params = SamplingParams(max_tokens=max_tokens)
-    engine.generate(prompts[0], SamplingParams(max_tokens=8))  # warm-up, not counted
-    run = MethodRun()
+    run = MethodRun(warmup_s=warm_up(lambda p, n: engine.generate(p, SamplingParams(max_tokens=n)), prompts[0],
+                                     max_tokens))
     for prompt in tqdm(prompts, desc=name, leave=False):
         result = engine.generate(prompt, params)
         m = result.metrics
@@ -97,14 +125,36 @@ def run_hf_method(target: LoadedModel, prompts: list[str], max_tokens: int, name
                                  pad_token_id=tokenizer.pad_token_id or 0, **extra)
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 
-    generate(prompts[0], 8)
-    run = MethodRun()
-    for prompt in tqdm(prompts, desc=name, leave=False):
-        tokens, seconds = generate(prompt, max_tokens)
-        run.outputs.append(tokens)
-        run.output_tokens += len(tokens)
-        run.seconds += seconds
-    return run
+    return run_timed(generate, prompts, max_tokens, name)
+
+
+def run_llamacpp_method(target: LoadedModel, gguf: Path | None, prompts: list[str], max_tokens: int, name: str,
+                        prompt_lookup: int) -> MethodRun:
+    """llama.cpp (llama-cpp-python) on the same GGUF file and the same prompt token ids, greedy, all cores;
+    llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end with the stop token,
+    as specserve's do."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        raise ConfigError(f"{name} needs llama-cpp-python: pip install 'specserve[llamacpp]'") from None
+    if gguf is None:
+        raise ConfigError(f"{name} runs GGUF models only, and {target.name} is not one")
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if name == "llamacpp-pld" else None
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=os.cpu_count(), draft_model=draft,
+                          verbose=False)
+
+    def generate(prompt: str, new_tokens: int) -> tuple[list[int], float]:
+        ids = target.tokenizer(prompt).input_ids
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+            tokens.append(int(token))
+            if token in target.eos_token_ids or len(tokens) >= new_tokens:
+                break
+        return tokens, time.perf_counter() - start
+
+    return run_timed(generate, prompts, max_tokens, name)
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -130,6 +180,10 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
         if name in HF_METHODS:
             runs[name] = run_hf_method(target, prompts, max_tokens, name, base.max_draft_len)
             continue
+        if name in LLAMACPP_METHODS:
+            runs[name] = run_llamacpp_method(target, resolve_model_source(base.model).gguf, prompts, max_tokens,
+                                             name, base.max_draft_len)
+            continue
         method, lookup = method_variant(name)
         model = heads.get(name, heads.get(method, base.speculative_model))
         config = DeploymentConfig(**{**base.__dict__, "method": method, "prompt_lookup_branch": lookup,
@@ -139,6 +193,40 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
     ar = runs.get("ar")
     return {name: run.summary(ar if name != "ar" else None) | ({"speedup_vs_ar": 1.0} if name == "ar" else {})
             for name, run in runs.items()}
+
+
+def streamed_weight_bytes(model) -> int:
+    """Bytes of weights one decoding step reads: every layer, the final norm and the lm_head (a separate input
+    embedding only gives a few rows, so it is left out)."""
+    from specserve.models.quant import QuantEmbedding, QuantLinear
+
+    total = 0
+    for name, module in model.named_modules():
+        if name == "model.embed_tokens" and not model.spec.tie_word_embeddings:
+            continue
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            total += module.packed.nbytes
+        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total
+
+
+def memory_read_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """This machine's read bandwidth (GB/s) as a multithreaded sum over a buffer far larger than the caches."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        buffer.sum()
+    return buffer.numel() * 4 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def roofline(model, step_ms: float) -> dict:
+    """A plain step next to the time to read its weights once at the measured bandwidth."""
+    weight_bytes, bandwidth = streamed_weight_bytes(model), memory_read_gbs()
+    floor_ms = weight_bytes / bandwidth / 1e6
+    return {"weights_mb": round(weight_bytes / 1e6, 1), "read_gb_per_s": round(bandwidth, 2),
+            "roofline_ms": round(floor_ms, 4), "plain_step_ms": step_ms,
+            "step_over_roofline": round(step_ms / floor_ms, 3)}
 
 
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
