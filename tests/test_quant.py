@@ -176,3 +176,24 @@ def test_quantized_model_stays_close_to_dense(quantized, loaded):
     for kind, bound in (("int8", 0.05), ("int4", 0.35)):
         got = logits(quantized("llama", kind).model)
         assert ((got - want).norm() / want.norm()) < bound, kind
+
+
+def test_packed_linears_of_a_biased_family_load_their_biases(checkpoint):
+    """A GGUF's packed q/k/v of a Qwen2 model (which has q/k/v biases) get the checkpoint's biases."""
+    from pathlib import Path
+
+    from specserve.models.loader import _read_state_dict, build_model, load_hf_config
+
+    directory = Path(checkpoint("qwen2"))
+    config, state = load_hf_config(directory), _read_state_dict(directory)
+    names = [n for n in state if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+    packed = {n: quant.PackedWeight.from_codes(quant.quantize_dense(state[n], "int8")) for n in names}
+    model = build_model(config, dict(state), torch.float32, packed=packed)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, quant.QuantLinear)
+    assert torch.equal(q_proj.bias.float(), state["model.layers.0.self_attn.q_proj.bias"])
+    dense = build_model(config, dict(state), torch.float32)
+    tokens, pos = torch.tensor([[1, 40, 41, 42]]), torch.arange(4)[None]
+    from specserve.models.kv_cache import KVCache
+    got, want = (m(tokens, pos, KVCache.for_model(m, 1, 8), pos).logits for m in (model, dense))
+    assert (got - want).norm() / want.norm() < 0.05

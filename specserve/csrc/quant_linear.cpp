@@ -430,6 +430,26 @@ at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, cons
   return out;
 }
 
+// XOR of every 64-bit word of a buffer, split over the threads: a pure streaming read, the ceiling a memory-bound
+// kernel can reach on this machine (bench's roofline).
+int64_t stream_read(const at::Tensor& buffer) {
+  TORCH_CHECK(buffer.is_contiguous() && buffer.nbytes() % 64 == 0, "a contiguous buffer of whole cache lines");
+  const uint64_t* words = static_cast<const uint64_t*>(buffer.data_ptr());
+  const int64_t lines = int64_t(buffer.nbytes() / 64);
+  std::vector<uint64_t> partial(at::get_num_threads() + 1, 0);
+  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
+    uint64_t acc[8] = {};
+    for (int64_t line = begin; line < end; ++line)
+      for (int j = 0; j < 8; ++j) acc[j] ^= words[line * 8 + j];
+    uint64_t x = 0;
+    for (uint64_t a : acc) x ^= a;
+    partial[at::get_thread_num()] ^= x;
+  });
+  uint64_t total = 0;
+  for (uint64_t x : partial) total ^= x;
+  return int64_t(total);
+}
+
 std::string best_isa() {
   switch (detect()) {
     case Isa::avx512: return "avx512";
@@ -443,5 +463,6 @@ std::string best_isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ dequant(W).T over packed low-bit weights, row-invariant");
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
+  m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
   m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");
 }

@@ -235,7 +235,7 @@ def _install_packed(model: CausalLM, name: str, weight: PackedWeight, dtype: tor
         setattr(parent, attr, QuantEmbedding(weight, dtype))
         return
     old = getattr(parent, attr)
-    bias = None if old.bias is None else torch.empty(old.out_features)  # filled by load_state_dict
+    bias = None if old.bias is None else torch.zeros(old.out_features)  # filled by load_state_dict
     setattr(parent, attr, QuantLinear(weight, bias))
 
 

@@ -309,6 +309,11 @@ def best_isa() -> str:
     return _kernel().best_isa()
 
 
+def stream_read(buffer: torch.Tensor) -> int:
+    """Read every byte of `buffer` once (a bandwidth probe); returns a checksum so nothing is optimized away."""
+    return _kernel().stream_read(buffer)
+
+
 # ---------------------------------------------------------------- modules
 
 class QuantLinear(nn.Module):
@@ -317,10 +322,13 @@ class QuantLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.packed = packed
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        # a buffer, so a checkpoint's bias loads into it by name (in the checkpoint's dtype: see forward)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.in_features, self.out_features = packed.in_features, packed.out_features
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+        if self.bias is not None and self.bias.dtype != torch.float32:  # the kernel adds fp32 biases
+            self.bias = self.bias.float().contiguous()
         return self.packed.matmul(x, self.bias, out_fp32)
 
 
