@@ -12,10 +12,19 @@ grows rows and slots in blocks as requests arrive and lengthen, and gives memory
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import torch
 
 BLOCK = 256  # slots are allocated in multiples of this
+_MALLOC_TRIM = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+
+
+def give_back_freed_memory() -> None:
+    """Freed tensors smaller than glibc's (self-raising) mmap threshold stay in the heap, so RSS would not drop
+    when the cache shrinks: hand the free heap back to the OS."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def round_up(n: int, block: int = BLOCK) -> int:
@@ -68,11 +77,18 @@ class KVCache:
             new_slots = slots
         if (new_rows, new_slots) == (self.batch, self.capacity):
             return
-        keys, values, lengths = self.keys, self.values, self.lengths
-        self._allocate(new_rows, new_slots)
-        r = min(new_rows, len(lengths))
-        s = min(new_slots, int(lengths[:r].max())) if r else 0  # slots past every length hold nothing needed
-        for old, new in zip(keys + values, self.keys + self.values):
+        shrinking = new_rows * new_slots < self.batch * self.capacity
+        self._reallocate(new_rows, new_slots)
+        if shrinking:
+            give_back_freed_memory()
+
+    def _reallocate(self, rows: int, capacity: int) -> None:
+        """New buffers, holding the old ones' committed slots of rows that remain."""
+        buffers, lengths = self.keys + self.values, self.lengths
+        self._allocate(rows, capacity)
+        r = min(rows, len(lengths))
+        s = min(capacity, int(lengths[:r].max())) if r else 0  # slots past every length hold nothing needed
+        for old, new in zip(buffers, self.keys + self.values):
             new[:r, :, :s] = old[:r, :, :s]
         self.lengths[:r] = lengths[:r]
 
