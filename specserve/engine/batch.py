@@ -158,7 +158,8 @@ class BatchEngine:
             return failed
         seqs = list(self.rows)
         before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
-        events = self._forward(0, seqs)
+        self._fit_cache()
+        events = self.engine.forward(self.cache.view(0, len(seqs)), seqs)
         for seq, (drafted, accepted) in zip(seqs, before):
             self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
                                         seq.metrics.total_accepted_draft_tokens - accepted)
@@ -167,15 +168,13 @@ class BatchEngine:
         return failed + self._collect(seqs, events)
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent]]:
+        row = len(self.rows)
         self.rows.append(seq)
         self.acceptance[seq] = Acceptance()
         seq.draft(0)
-        return self._collect([seq], self._forward(len(self.rows) - 1, [seq]))
-
-    def _forward(self, start: int, seqs: list[Sequence]) -> list[StreamEvent | None]:
-        """One engine forward for rows start.., after growing the cache to hold every uncached and draft token."""
         self._fit_cache()
-        return self.engine.forward(self.cache.view(start, len(seqs)), seqs)
+        self.cache.lengths[row] = 0
+        return self._collect([seq], self.engine.forward(self.cache.view(row, 1), [seq]))
 
     def _collect(self, seqs: list[Sequence], events) -> list[tuple[Sequence, StreamEvent]]:
         out = [(seq, event) for seq, event in zip(seqs, events) if event is not None]
