@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.batch import BatchEngine, expected_tokens
+from specserve.engine.batch import Acceptance, BatchEngine, expected_tokens
 from specserve.engine.engine import Engine
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
+from specserve.spec.proposers import DraftModelMethod, NGramMethod, Proposal, Proposer, SpecMethod
 from specserve.spec.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox", "for i in range(10):",
@@ -72,3 +72,111 @@ def test_expected_tokens():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+# ---- the adaptive draft length keeps drafting where drafts pay ---------------------------------------------------
+
+CPU_LIKE_COSTS = [1.0, 1.1, 1.2, 1.5, 2.2, 3.8, 7.0]  # a small model on a CPU: a few more tokens cost little
+
+
+class ScriptedMethod(SpecMethod):
+    """Drafts the reference continuation (so drafts are accepted), but wrong ones for the first `wrong` calls:
+    a request whose text turns repetitive only after a while."""
+
+    name = "scripted"
+
+    def __init__(self, reference: list[int], wrong: int, vocab: int):
+        self.reference, self.wrong, self.vocab = reference, wrong, vocab
+
+    def new_proposer(self, params, generator, capacity):
+        method, calls = self, []
+
+        class Scripted(Proposer):
+            def propose(self, tokens, max_len):
+                calls.append(1)
+                following = method.reference[len(tokens): len(tokens) + max_len]
+                if len(calls) <= method.wrong:
+                    following = [(t + 1) % method.vocab for t in following]
+                return Proposal(following)
+
+        return Scripted()
+
+
+def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
+    """A run of rejected drafts must not stop speculation for good: the old running mean fell to ~0 after them,
+    chose draft length 0, and with no more drafts never learnt that drafts now pay."""
+    target = loaded("llama")
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
+    plain = Engine(target).generate(PROMPTS[0], params)
+    reference = target.tokenizer(PROMPTS[0]).input_ids + plain.token_ids
+    runs = {}
+    for adaptive in (False, True):
+        batch = BatchEngine(Engine(target, ScriptedMethod(reference, 12, target.model.spec.vocab_size), 4), max_batch_size=4,
+                            adaptive_draft=adaptive)
+        if adaptive:
+            batch.costs.seconds = list(CPU_LIKE_COSTS)
+        runs[adaptive] = run_batched(batch, [(PROMPTS[0], params)])[0]
+    for result in runs.values():
+        assert result.token_ids == plain.token_ids
+    fixed, adaptive = runs[False].metrics, runs[True].metrics
+    assert adaptive.total_accepted_draft_tokens >= 0.7 * fixed.total_accepted_draft_tokens
+    assert adaptive.target_forwards <= 1.3 * fixed.target_forwards
+
+
+def test_acceptance_estimate_returns_to_its_prior():
+    estimate = Acceptance()
+    assert estimate.rate == pytest.approx(Acceptance.PRIOR)
+    for _ in range(5):
+        estimate.update(4, 0)
+    low = estimate.rate
+    assert low < 0.2
+    for _ in range(30):  # steps without drafts: the evidence fades
+        estimate.update(0, 0)
+    assert estimate.rate > 0.5
+
+
+# ---- the KV cache grows with use ------------------------------------------------------------------------------------
+
+
+def test_cache_grows_with_a_request_and_is_released_when_it_ends(loaded):
+    engine = Engine(loaded("llama"), NGramMethod(1, 3), 4)
+    batch = BatchEngine(engine, max_batch_size=8)
+    assert batch.cache.nbytes == 0  # idle: nothing held
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+    seq = batch.add(PROMPTS[0], params)
+    capacities = []
+    while batch.has_work():
+        batch.step()
+        capacities.append(batch.cache.capacity)
+        assert batch.cache.batch <= 1
+    assert capacities[0] == 256 and 256 < max(capacities) <= engine.max_model_len + engine.draft_slots
+    assert capacities == sorted(capacities[:-1]) + [0]  # grew, then was released at the end
+    assert batch.cache.nbytes == 0
+    assert seq.stops.output == engine.generate(PROMPTS[0], params).token_ids
+
+
+def test_cancel_releases_the_cache(loaded):
+    batch = BatchEngine(Engine(loaded("llama")), max_batch_size=4)
+    seqs = [batch.add(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in PROMPTS[:3]]
+    for _ in range(5):
+        batch.step()
+    assert batch.active == 3 and batch.cache.batch >= 3
+    held = batch.cache.nbytes
+    batch.cancel(seqs[0])
+    batch.cancel(seqs[1])
+    assert batch.active == 1 and batch.cache.nbytes < held
+    batch.cancel(seqs[2])
+    assert batch.cache.nbytes == 0 and not batch.has_work()
+
+
+def test_a_request_near_the_full_context(loaded):
+    target = loaded("llama")
+    engine = Engine(target, NGramMethod(1, 3), 4)
+    prompt_len = len(target.tokenizer(PROMPTS[1]).input_ids)
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
+    want = engine.generate(PROMPTS[1], params).token_ids
+    short = SamplingParams(max_tokens=20, ignore_eos=True)
+    results = run_batched(BatchEngine(engine, max_batch_size=3),
+                          [(PROMPTS[0], short), (PROMPTS[1], params), (PROMPTS[2], short)])
+    assert len(results[1].token_ids) == params.max_tokens and results[1].token_ids == want
+    assert results[0].token_ids == engine.generate(PROMPTS[0], short).token_ids

@@ -136,21 +136,27 @@ class Engine:
                 return event.result
         raise RuntimeError("stream ended without a result")
 
-    def new_sequence(self, prompt: str | list[int], params: SamplingParams, capacity: int) -> "Sequence":
-        """Validate a request and set up its decoding state (RequestError for bad input)."""
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams, capacity: int | None = None
+                     ) -> "Sequence":
+        """Validate a request and set up its decoding state (RequestError for bad input). Its proposer's caches
+        get `capacity` slots, by default the request's own size rather than the full context."""
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(prompt_ids, params)
+        capacity = capacity or self.capacity_for(prompt_ids, params)
         generator = params.make_generator()
         proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
         seq = Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids))
         seq.typical = self.method.typical if proposer is not None else None
         return seq
 
+    def capacity_for(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
+        return len(prompt_ids) + params.max_tokens + self.draft_slots
+
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        capacity = len(prompt_ids) + params.max_tokens + self.draft_slots
-        seq = self.new_sequence(prompt_ids, params, capacity)
-        cache = KVCache.for_model(self.model, 1, capacity)
+        seq = self.new_sequence(prompt_ids, params)
+        cache = KVCache.for_model(self.model, 1, self.capacity_for(prompt_ids, params))
         while not seq.finished:
             seq.draft(self.max_draft_len)
             event = self.forward(cache, [seq])[0]
