@@ -430,20 +430,37 @@ at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, cons
   return out;
 }
 
-// XOR of every 64-bit word of a buffer, split over the threads: a pure streaming read, the ceiling a memory-bound
-// kernel can reach on this machine (bench's roofline).
+// XOR of every 64-byte line of a buffer with wide loads, split over the threads: a pure streaming read, the
+// ceiling a memory-bound kernel can reach on this machine (bench's roofline).
+SPECSERVE_AVX2 uint64_t xor_lines_avx2(const uint8_t* p, int64_t begin, int64_t end) {
+  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  for (int64_t line = begin; line < end; ++line) {
+    a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i*)(p + line * 64)));
+    b = _mm256_xor_si256(b, _mm256_loadu_si256((const __m256i*)(p + line * 64 + 32)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256((__m256i*)lanes, _mm256_xor_si256(a, b));
+  return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+}
+
+uint64_t xor_lines_scalar(const uint8_t* p, int64_t begin, int64_t end) {
+  uint64_t acc = 0;
+  for (int64_t line = begin; line < end; ++line)
+    for (int j = 0; j < 8; ++j) {
+      uint64_t word;
+      std::memcpy(&word, p + line * 64 + j * 8, 8);
+      acc ^= word;
+    }
+  return acc;
+}
+
 int64_t stream_read(const at::Tensor& buffer) {
   TORCH_CHECK(buffer.is_contiguous() && buffer.nbytes() % 64 == 0, "a contiguous buffer of whole cache lines");
-  const uint64_t* words = static_cast<const uint64_t*>(buffer.data_ptr());
-  const int64_t lines = int64_t(buffer.nbytes() / 64);
+  const uint8_t* bytes = static_cast<const uint8_t*>(buffer.data_ptr());
+  const bool wide = detect() != Isa::scalar;
   std::vector<uint64_t> partial(at::get_num_threads() + 1, 0);
-  at::parallel_for(0, lines, 4096, [&](int64_t begin, int64_t end) {
-    uint64_t acc[8] = {};
-    for (int64_t line = begin; line < end; ++line)
-      for (int j = 0; j < 8; ++j) acc[j] ^= words[line * 8 + j];
-    uint64_t x = 0;
-    for (uint64_t a : acc) x ^= a;
-    partial[at::get_thread_num()] ^= x;
+  at::parallel_for(0, int64_t(buffer.nbytes() / 64), 4096, [&](int64_t begin, int64_t end) {
+    partial[at::get_thread_num()] ^= wide ? xor_lines_avx2(bytes, begin, end) : xor_lines_scalar(bytes, begin, end);
   });
   uint64_t total = 0;
   for (uint64_t x : partial) total ^= x;
