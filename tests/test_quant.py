@@ -99,9 +99,12 @@ def test_kernel_bias_and_dtypes():
 def test_fused_weights_compute_what_the_parts_do():
     parts = [packed_weight(kind, rows=rows, cols=256, seed=i)[0]
              for i, (kind, rows) in enumerate([("Q5_0", 64), ("Q5_0", 32), ("Q5_0", 32)])]
-    fused = quant.PackedWeight.concat(parts)
     x = torch.randn(4, 256)
-    assert torch.equal(fused.matmul(x, out_fp32=True), torch.cat([p.matmul(x, out_fp32=True) for p in parts], -1))
+    separate = torch.cat([p.matmul(x, out_fp32=True) for p in parts], -1)
+    fused = quant.PackedWeight.concat(parts)
+    assert torch.equal(fused.matmul(x, out_fp32=True), separate)
+    assert torch.equal(torch.cat([p.matmul(x, out_fp32=True) for p in parts], -1), separate)
+    assert parts[1].qs.untyped_storage().data_ptr() == fused.qs.untyped_storage().data_ptr()  # views, not copies
     assert quant.PackedWeight.concat([parts[0], packed_weight("Q8_0", rows=32, cols=256)[0]]) is None
 
 

@@ -200,14 +200,16 @@ def streamed_weight_bytes(model) -> int:
     embedding only gives a few rows, so it is left out)."""
     from specserve.models.quant import QuantEmbedding, QuantLinear
 
-    total = 0
+    tensors = []
     for name, module in model.named_modules():
         if name == "model.embed_tokens" and not model.spec.tie_word_embeddings:
             continue
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            total += module.packed.nbytes
-        total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
-    return total
+            tensors += [t for t in (module.packed.qs, module.packed.planes, module.packed.scales,
+                                    module.packed.offsets) if t is not None]
+        tensors += list(module.parameters(recurse=False))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # fused parts
+    return sum(storages.values())  # are views of their fused weight: each storage counts once
 
 
 def memory_read_gbs(megabytes: int = 512, repeats: int = 5) -> float:

@@ -226,9 +226,17 @@ class PackedWeight:
         if not same or any(p.out_features % TILE for p in parts):
             return None
         cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
-        return PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
-                            sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
-                            first.zero, first.kind)
+        fused = PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
+                             sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
+                             first.zero, first.kind)
+        start = 0
+        for part in parts:  # the parts become views of the fused tensors: memory is not doubled
+            tiles = part.out_features // TILE
+            for name in _TENSOR_FIELDS:
+                if getattr(fused, name) is not None:
+                    setattr(part, name, getattr(fused, name)[start:start + tiles])
+            start += tiles
+        return fused
 
     @property
     def nbytes(self) -> int:
