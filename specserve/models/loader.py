@@ -362,7 +362,7 @@ def resolve_model_path(name: str | None) -> tuple[str, Path]:
 def resolve_quantization(quantization: str | None, source: ModelSource, device: str) -> str:
     """none | gguf | int8 | int4; unset means the GGUF's own blocks for a GGUF file and none otherwise."""
     choice = quantization or ("gguf" if source.gguf is not None else "none")
-    if choice not in ("none", "gguf", "int8", "int4"):
+    if choice not in quant.QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {choice!r}; use none, gguf (a GGUF's own blocks), int8 or int4")
     if choice == "gguf" and source.gguf is None:
         raise ModelLoadError(f"quantization gguf needs a GGUF model, and {source.name} is not one; "

@@ -36,7 +36,7 @@ from specserve.models import cpu_kernels
 TILE = 16  # outputs per kernel tile
 BLOCK = 32  # inputs per packed block
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")  # the `quantization` setting's values
 
 
 class QuantizationError(ValueError):
@@ -166,7 +166,7 @@ def quantize_dense(weight: torch.Tensor, kind: str) -> Codes:
         scale = (high - low) / 15
         q = torch.round((w - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
         return Codes(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(), (-low).numpy(), 4, 32, 0, "int4")
-    raise QuantizationError(f"unknown quantization {kind!r}; use one of {', '.join(QUANTIZATIONS)}")
+    raise QuantizationError(f"cannot quantize dense weights as {kind!r}: use int8 or int4")
 
 
 # ---------------------------------------------------------------- codes -> the kernel's layout
