@@ -23,6 +23,7 @@ from typing import Callable
 from specserve.config import (ConfigError, DeploymentConfig, build_engine, check_keys, int_at_least, load_model_yaml,
                               method_name, resolve_path)
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
+from specserve.server.compute import COMPUTE
 from specserve.server.runner import DEFAULT_MAX_ACTIVE, Runner
 
 log = logging.getLogger("specserve.server")
@@ -445,10 +446,10 @@ class ModelRepository:
             target = self._targets.get(key)
             step_lock = self._step_locks.setdefault(key, threading.Lock())
         if target is None:
-            target = load_model(config.model, dtype=config.dtype, quantization=config.quantization)
+            target = COMPUTE.run(load_model, config.model, dtype=config.dtype, quantization=config.quantization)
             with self._lock:
                 self._targets[key] = target
-        engine = self.engine_factory(config, target)
+        engine = COMPUTE.run(self.engine_factory, config, target)  # cost tables: tensor work too
         runner = Runner(engine, source.max_queue_size, name=source.name, step_lock=step_lock,
                         max_active=source.max_batch_size or DEFAULT_MAX_ACTIVE,
                         adaptive_draft=config.adaptive_draft_len)

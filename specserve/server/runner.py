@@ -25,6 +25,7 @@ from typing import Any
 
 from specserve.engine.batch import BatchEngine, StreamBatch
 from specserve.engine.engine import Engine, RequestError, StreamEvent
+from specserve.server.compute import COMPUTE
 from specserve.spec.sampling import SamplingParams
 
 log = logging.getLogger("specserve.server")
@@ -251,7 +252,7 @@ class Runner:
     def _work(self) -> None:
         """Continuous batching: admit queued requests into free rows between steps, run one step, deliver."""
         if isinstance(self.engine, Engine):
-            batch = BatchEngine(self.engine, self.max_active, adaptive_draft=self.adaptive_draft)
+            batch = COMPUTE.run(BatchEngine, self.engine, self.max_active, adaptive_draft=self.adaptive_draft)
         else:
             batch = StreamBatch(self.engine)
         self.batch_stats = getattr(batch, "stats", None)
@@ -273,11 +274,11 @@ class Runner:
                 continue
             try:
                 with self._step_lock:
-                    outputs = batch.step()
+                    outputs = COMPUTE.run(batch.step)
             except Exception as exc:  # noqa: BLE001 - the requests in this batch fail, the worker goes on
                 log.exception("runner %s: engine step failed", self.name)
                 for handle in list(owners.values()):
-                    batch.cancel(handle.sequence)
+                    COMPUTE.run(batch.cancel, handle.sequence)
                     self._finish(handle, owners, "failed", exc)
                 continue
             for seq, event in outputs:
@@ -296,7 +297,7 @@ class Runner:
         timing.started_ns = time.time_ns()
         handle.state = "running"
         try:
-            handle.sequence = batch.add(handle.prompt_ids, handle.params)
+            handle.sequence = COMPUTE.run(batch.add, handle.prompt_ids, handle.params)
         except Exception as exc:  # noqa: BLE001 - e.g. RequestError: delivered to this caller only
             handle.error = exc
             self._finish(handle, owners, "failed", exc)
@@ -305,7 +306,7 @@ class Runner:
 
     def _drop_cancelled(self, batch: BatchEngine, owners: dict) -> None:
         for handle in [h for h in owners.values() if h.cancelled]:
-            batch.cancel(handle.sequence)
+            COMPUTE.run(batch.cancel, handle.sequence)
             self._finish(handle, owners, "cancelled", RequestCancelledError("Request cancelled by client"))
 
     def _deliver(self, handle: RequestHandle, event: StreamEvent, owners: dict) -> None:
