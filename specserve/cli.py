@@ -127,8 +127,8 @@ def bench(
     methods: str = typer.Option("ar,ngram,hf,hf-pld",
                                 help="Comma-separated: ar, ngram, draft_target, medusa, eagle, eagle2, eagle3, hf, "
                                      "hf-pld, llamacpp, llamacpp-pld (with llama-cpp-python installed: "
-                                     "pip install 'specserve[llamacpp]'); an EAGLE method with '+ngram' (eagle3+ngram) merges prompt lookup "
-                                     "into its trees."),
+                                     "pip install 'specserve[llamacpp]'); an EAGLE method with '+ngram' "
+                                     "(eagle3+ngram) merges prompt lookup into its trees."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),

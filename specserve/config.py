@@ -282,9 +282,9 @@ def target_verify_seconds(target: LoadedModel):
 
     if id(target.model) in _VERIFY_COSTS:
         return _VERIFY_COSTS[id(target.model)]
-    key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|{platform.processor() or platform.machine()}|" \
-          f"{torch.get_num_threads()}|{torch.__version__}|{target.model.kernels_usable}|" \
-          f"{cpu_kernels.f32_linear_available()}"
+    key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|" \
+          f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}|" \
+          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}"
     file = cache_root() / "verify_costs.json"
     try:
         table = json.loads(file.read_text()) if file.exists() else {}

@@ -205,8 +205,7 @@ def streamed_weight_bytes(model) -> int:
         if name == "model.embed_tokens" and not model.spec.tie_word_embeddings:
             continue
         if isinstance(module, (QuantLinear, QuantEmbedding)):
-            tensors += [t for t in (module.packed.qs, module.packed.planes, module.packed.scales,
-                                    module.packed.offsets) if t is not None]
+            tensors += [t for t in module.packed.tensors if t is not None]
         tensors += list(module.parameters(recurse=False))
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # fused parts
     return sum(storages.values())  # are views of their fused weight: each storage counts once

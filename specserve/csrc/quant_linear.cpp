@@ -57,6 +57,9 @@ struct Acts {  // quantized activation rows
   int64_t K;
 };
 
+// The block's activation sum: per 16 inputs (G = 16, sub == 2) or the two halves of its 32 (G = 32).
+inline int32_t block_psum(const int32_t* ps, int sub, int sb) { return sub == 2 ? ps[sb] : ps[0] + ps[1]; }
+
 // The fp32 tail shared by every path: the block's integer sum -> its contribution to y.
 inline float block_term(int32_t isum, int32_t psum, float s, float o, float dx, float acc, int zero,
                         bool has_offset) {
@@ -96,8 +99,7 @@ void tile_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int m
           for (int g = sb * gpsub; g < (sb + 1) * gpsub; ++g)
             for (int j = 0; j < 4; ++j)
               isum += unpack_q(W, tile, kb, g, n * 4 + j) * int32_t(X.p[m * X.K + kb * kBlock + g * 4 + j]);
-          const int32_t psum = sub == 2 ? X.psum16[m * (X.K / 16) + kb * 2 + sb]
-                                        : X.psum16[m * (X.K / 16) + kb * 2] + X.psum16[m * (X.K / 16) + kb * 2 + 1];
+          const int32_t psum = block_psum(X.psum16 + m * (X.K / 16) + kb * 2, sub, sb);
           const int64_t si = ((tile * W.kblocks + kb) * sub + sb) * kTile + n;
           acc = block_term(isum, psum, W.scales[si], W.offsets ? W.offsets[si] : 0.f, dx, acc, W.zero,
                            W.offsets != nullptr);
@@ -163,7 +165,7 @@ SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, 
       for (int i = 0; i < MR; ++i) {
         const int64_t m = m0 + i;
         const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
-        const int32_t psum = SUB == 2 ? ps[sb] : ps[0] + ps[1];
+        const int32_t psum = block_psum(ps, SUB, sb);
         __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i], _mm512_set1_epi32(W.zero * psum))), s);
         if constexpr (OFFS)
           t = _mm512_fnmadd_ps(_mm512_loadu_ps(W.offsets + (at * SUB + sb) * kTile), _mm512_set1_ps(float(psum)), t);
@@ -246,7 +248,7 @@ SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int6
         for (int i = 0; i < MR; ++i) {
           const int64_t m = m0 + i;
           const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
-          const int32_t psum = SUB == 2 ? ps[sb] : ps[0] + ps[1];
+          const int32_t psum = block_psum(ps, SUB, sb);
           __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_set1_epi32(W.zero * psum))), s);
           if constexpr (OFFS)
             t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);

@@ -213,6 +213,9 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
         _install_packed(model, name, weight, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [name for name in missing if name.rsplit(".", 1)[0] not in _quantized_modules(model)]
+    for module in model.modules():  # the kernel adds fp32 biases; load_state_dict assigned the checkpoint's dtype
+        if isinstance(module, QuantLinear) and module.bias is not None:
+            module.bias = module.bias.float().contiguous()
     if missing or unexpected:
         raise ModelLoadError(f"checkpoint does not match a {hf_config.model_type} model: missing "
                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")

@@ -89,7 +89,8 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks [N, nb, bytes] -> (q [N, nb, weights], scales [N, nb, groups], offsets or None)."""
+    """Blocks [N, nb, bytes] of a type in _FORMATS -> (q [N, nb, weights], scales [N, nb, groups], offsets
+    or None)."""
     if kind == "Q8_0":
         q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return q, _f16(b[..., 0:2])[..., None], None
@@ -113,18 +114,16 @@ def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
             fifth = np.stack([(qh >> shift) & 1 for shift in range(8)], axis=-2)  # [.., 8 halves, 32]
             q = q | (fifth.reshape(*qh.shape[:-1], 256) << 4)
         return q, d * sc.astype(np.float32), dmin * m.astype(np.float32)
-    if kind == "Q6_K":
-        ql, qh = b[..., 0:128], b[..., 128:192]
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)
-        d = _f16(b[..., 208:210])[..., None]
-        halves = []
-        for h in range(2):  # 128 weights each: 4 runs of 32 (ggml's q1..q4)
-            lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
-            runs = [(lo[..., :32] & 15), (lo[..., 32:] & 15), (lo[..., :32] >> 4), (lo[..., 32:] >> 4)]
-            halves += [run | (((hi >> (2 * r)) & 3) << 4) for r, run in enumerate(runs)]
-        return np.concatenate(halves, axis=-1), d * sc, None
-    raise QuantizationError(f"GGUF tensor type {kind} is not supported; supported: {', '.join(GGUF_TYPES)} "
-                            "(or load it dequantized with quantization: none)")
+    # Q6_K
+    ql, qh = b[..., 0:128], b[..., 128:192]
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])[..., None]
+    halves = []
+    for h in range(2):  # 128 weights each: 4 runs of 32 (ggml's q1..q4)
+        lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
+        runs = [(lo[..., :32] & 15), (lo[..., 32:] & 15), (lo[..., :32] >> 4), (lo[..., 32:] >> 4)]
+        halves += [run | (((hi >> (2 * r)) & 3) << 4) for r, run in enumerate(runs)]
+    return np.concatenate(halves, axis=-1), d * sc, None
 
 
 _FORMATS = {  # kind -> (bits, group, zero, block bytes, weights per block)
@@ -137,7 +136,8 @@ _FORMATS = {  # kind -> (bits, group, zero, block bytes, weights per block)
 def decode_gguf(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Codes:
     """A GGUF tensor's raw blocks (uint8 [N, bytes per row]) of HF shape (N, K) -> codes."""
     if kind not in _FORMATS:
-        _decode_blocks(kind, raw)  # raises with the supported list
+        raise QuantizationError(f"GGUF tensor type {kind} is not supported; supported: {', '.join(GGUF_TYPES)} "
+                                "(or load it dequantized with quantization: none)")
     bits, group, zero, block_bytes, per_block = _FORMATS[kind]
     n, k = shape
     if k % per_block:
@@ -170,6 +170,8 @@ def quantize_dense(weight: torch.Tensor, kind: str) -> Codes:
 
 
 # ---------------------------------------------------------------- codes -> the kernel's layout
+
+_TENSOR_FIELDS = ("qs", "planes", "scales", "offsets")  # PackedWeight's tensors, in the kernel's argument order
 
 @dataclass
 class PackedWeight:
@@ -239,22 +241,23 @@ class PackedWeight:
         return fused
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.planes, self.scales, self.offsets)
-                   if t is not None)
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """(qs, planes, scales, offsets): the kernel's arguments, in its order."""
+        return tuple(getattr(self, name) for name in _TENSOR_FIELDS)
 
-    def _args(self):
-        return (self.qs, self.planes, self.scales, self.offsets)
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
         """x [..., K] (bf16 or fp32) @ W.T + bias -> [..., N] in x's dtype (fp32 with out_fp32)."""
-        y = _kernel().quant_linear(x.reshape(-1, self.in_features), *self._args(), bias, self.out_features,
+        y = _kernel().quant_linear(x.reshape(-1, self.in_features), *self.tensors, bias, self.out_features,
                                    self.bits, self.group, self.zero, out_fp32, isa())
         return y.view(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (fp32 [..., K])."""
-        flat = _kernel().dequantize_rows(ids.reshape(-1), *self._args(), self.out_features, self.bits,
+        flat = _kernel().dequantize_rows(ids.reshape(-1), *self.tensors, self.out_features, self.bits,
                                          self.group, self.zero)
         return flat.view(*ids.shape, self.in_features)
 
@@ -264,7 +267,6 @@ class PackedWeight:
 
 PACK_VERSION = 1  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind")
-_TENSOR_FIELDS = ("qs", "planes", "scales", "offsets")
 
 
 def save_packed(weights: dict[str, PackedWeight], path) -> None:
@@ -330,13 +332,11 @@ class QuantLinear(nn.Module):
     def __init__(self, packed: PackedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.packed = packed
-        # a buffer, so a checkpoint's bias loads into it by name (in the checkpoint's dtype: see forward)
+        # a buffer, so a checkpoint's bias loads into it by name (the loader then makes it fp32 again)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.in_features, self.out_features = packed.in_features, packed.out_features
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
-        if self.bias is not None and self.bias.dtype != torch.float32:  # the kernel adds fp32 biases
-            self.bias = self.bias.float().contiguous()
         return self.packed.matmul(x, self.bias, out_fp32)
 
 
