@@ -108,6 +108,17 @@ def test_fused_weights_compute_what_the_parts_do():
     assert quant.PackedWeight.concat([parts[0], packed_weight("Q8_0", rows=32, cols=256)[0]]) is None
 
 
+def test_a_fused_linear_of_mixed_formats_is_one_call_computing_the_parts():
+    """A GGUF's q/k/v may mix formats (Q5_0 q, k and a Q8_0 v): like formats share a weight, the rest ride along;
+    a part of 40 outputs (not whole tiles) and biases included."""
+    layers = [quant.QuantLinear(packed_weight(kind, rows=rows, cols=256, seed=i)[0], torch.randn(rows))
+              for i, (kind, rows) in enumerate([("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 40), ("Q4_K", 32)])]
+    fused = quant.FusedQuantLinear(layers)
+    assert [w.kind for w in fused.weights] == ["Q5_0", "Q8_0", "Q4_K"]
+    x = torch.randn(3, 256).bfloat16()
+    assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
+
+
 def test_packed_weights_cache_round_trip(tmp_path):
     weights = {"a.weight": packed_weight("Q6_K")[0], "b.weight": packed_weight("Q4_1")[0]}
     quant.save_packed(weights, tmp_path / "w.st")

@@ -614,7 +614,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor q = unit(q_in), k = unit(k_in), v = unit(v_in);
   const at::Tensor mask = mask_in.expand({B, 1, T, S});
-  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  // stored [B, T, H, D] so the o projection reads it without a copy; returned as the [B, H, T, D] view
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
   const int64_t G = H / Hkv, heads = B * Hkv, R = T * G;
   const Attn a{k.data_ptr<bf16>(), v.data_ptr<bf16>(), Hkv, T, S, D, G, float(scale), k.strides(), v.strides()};
 
@@ -629,7 +630,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
         Row& row = rows[(b * Hkv + h / G) * R + t * G + h % G];
         float* q32_row = &q32[((b * H + h) * T + t) * D];
         widen(q.data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), q32_row, D);
-        row = {q32_row, out.data_ptr<bf16>() + ((b * H + h) * T + t) * D, &keys[bt],
+        row = {q32_row, out.data_ptr<bf16>() + ((b * T + t) * H + h) * D, &keys[bt],
                std::vector<float>(keys[bt].size()), 0.f};
       }
     }
@@ -654,37 +655,217 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
       value_range(a, head, &rows[head * R], &keys[head / Hkv * T], d0, std::min(D, d0 + dim_chunk));
     }
   });
+  return out.transpose(1, 2);
+}
+
+// RMSNorm of one row in fp32 with a sequential sum (one fixed order per row); `o` may be `row`.
+// gemma: bf16((x * r) * w) with w = 1 + weight precomputed in fp32; llama: bf16(w * bf16(x * r)), as HF rounds.
+void norm_row(const bf16* row, const float* w, int64_t D, float eps, bool gemma, bf16* o) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float v = static_cast<float>(row[i]);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; ++i) {
+    const float normed = static_cast<float>(row[i]) * inv;
+    o[i] = gemma ? bf16(normed * w[i]) : bf16(w[i] * static_cast<float>(bf16(normed)));
+  }
+}
+
+const float* norm_weight(const std::optional<at::Tensor>& w, int64_t D, const char* what) {
+  if (!w.has_value()) return nullptr;
+  TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->numel() == D, what,
+              ": fp32 weight of the normed size expected");
+  return w->data_ptr<float>();
+}
+
+// Row-wise kernels below run inline for a decoding step's few rows and split larger batches over threads.
+constexpr int64_t kRowGrain = 8;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  const float* w = norm_weight(weight, D, "rms_norm");
+  at::Tensor out = at::empty_like(x);
+  const bf16* src = x.data_ptr<bf16>();
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(src + r * D, w, D, float(eps), gemma, dst + r * D);
+  });
   return out;
 }
 
-// RMSNorm of each row of a bf16 [rows, D] tensor, in fp32 with a sequential sum (one fixed order per row).
-// gemma: bf16((x * r) * w) with w = 1 + weight precomputed in fp32; llama: bf16(w * bf16(x * r)), as HF rounds.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "rms_norm: weight must be fp32");
-  const int64_t D = x.size(-1), rows = x.numel() / D;
-  TORCH_CHECK(weight.numel() == D, "rms_norm: weight size must match the last dimension");
-  at::Tensor out = at::empty_like(x);
-  const bf16* src = x.data_ptr<bf16>();
-  const float* w = weight.data_ptr<float>();
-  bf16* dst = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const bf16* row = src + r * D;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < D; ++i) {
-        const float v = static_cast<float>(row[i]);
-        sum += v * v;
+// ---- The glue of a decoder layer between its linears and attention, one call each (the same roundings as the
+// PyTorch ops they replace: every bf16 op there rounds its fp32 result once, and so does each step here).
+
+// x <- rope(x) = x * cos + rotate_half(x) * sin for one head row, each product and the sum rounded to bf16.
+inline void rope_row(bf16* x, const bf16* cos, const bf16* sin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    const float lo = float(bf16(a * float(cos[i]))) + float(bf16(-b * float(sin[i])));
+    const float hi = float(bf16(b * float(cos[i + half]))) + float(bf16(a * float(sin[i + half])));
+    x[i] = bf16(lo);
+    x[i + half] = bf16(hi);
+  }
+}
+
+// Element (b, t, j) of a [B, T, N] tensor whose last dim is contiguous (views of one fused projection are).
+inline const bf16* at_bt(const at::Tensor& t, int64_t b, int64_t i) {
+  return t.data_ptr<bf16>() + b * t.stride(0) + i * t.stride(1);
+}
+
+// The attention inputs of new tokens: per head, the optional q/k norm (Gemma 3, Qwen3), then rope on q and k;
+// k and v are stored in the cache at their slots, q is returned as [B, H, T, D].
+//   q, k, v     [B, T, H * D], [B, T, Hkv * D], [B, T, Hkv * D] bf16
+//   cos, sin    [B, T, D] bf16 rope tables at the tokens' positions
+//   k_cache, v_cache [rows >= B, Hkv, capacity, D] bf16 (this layer's); slots [B, T] int64
+at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps,
+                      bool gemma, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots_in) {
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t B = q.size(0), T = q.size(1), D = k_cache.size(3), Hkv = k_cache.size(1);
+  const int64_t H = q.size(2) / D, C = k_cache.size(2);
+  for (const at::Tensor* t : {&q, &k, &v, &cos, &sin})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == T && t->stride(2) == 1 &&
+                    t->scalar_type() == at::kBFloat16, "rope_store: bf16 [B, T, *] inputs expected");
+  TORCH_CHECK(k.size(2) == Hkv * D && v.size(2) == Hkv * D && q.size(2) == H * D && cos.size(2) == D &&
+                  sin.size(2) == D && D % 2 == 0, "rope_store: head sizes disagree with the cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.size(0) >= B && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.scalar_type() == at::kBFloat16, "rope_store: bf16 caches [rows, Hkv, C, D] expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == B &&
+                  slots.size(1) == T, "rope_store: int64 slots [B, T] expected");
+  const float* qw = norm_weight(q_norm, D, "rope_store q_norm");
+  const float* kw = norm_weight(k_norm, D, "rope_store k_norm");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < C, "rope_store: slot out of range");
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  bf16* qo = out.data_ptr<bf16>();
+  bf16* kc = k_cache.data_ptr<bf16>();
+  bf16* vc = v_cache.data_ptr<bf16>();
+  const auto ks = k_cache.strides(), vs = v_cache.strides();
+  at::parallel_for(0, B * T, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / T, t = bt % T, s = slot[bt];
+      const bf16 *c = at_bt(cos, b, t), *sn = at_bt(sin, b, t);
+      for (int64_t h = 0; h < H; ++h) {
+        bf16* dst = qo + ((b * H + h) * T + t) * D;
+        const bf16* src = at_bt(q, b, t) + h * D;
+        if (qw) norm_row(src, qw, D, float(eps), gemma, dst);
+        else std::copy(src, src + D, dst);
+        rope_row(dst, c, sn, D);
       }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
-      bf16* o = dst + r * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const float normed = static_cast<float>(row[i]) * inv;
-        o[i] = gemma ? bf16(normed * w[i]) : bf16(w[i] * static_cast<float>(bf16(normed)));
+      for (int64_t h = 0; h < Hkv; ++h) {
+        bf16* kd = kc + b * ks[0] + h * ks[1] + s * ks[2];
+        const bf16* src = at_bt(k, b, t) + h * D;
+        if (kw) norm_row(src, kw, D, float(eps), gemma, kd);
+        else std::copy(src, src + D, kd);
+        rope_row(kd, c, sn, D);
+        const bf16* vsrc = at_bt(v, b, t) + h * D;
+        std::copy(vsrc, vsrc + D, vc + b * vs[0] + h * vs[1] + s * vs[2]);
       }
     }
   });
   return out;
+}
+
+// x / (1 + exp(-z)) for 16 lanes: silu with z = x, tanh-approximated gelu with z = 2 sqrt(2/pi) (x + 0.044715 x^3)
+// (0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)), with no cancellation near 0).
+#ifdef __AVX512F__
+inline __m512 activation16(__m512 x, bool gelu) {
+  __m512 z = x;
+  if (gelu) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    z = _mm512_mul_ps(_mm512_set1_ps(1.5957691216057308f),
+                      _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(0.044715f), cube)));
+  }
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+inline __m512 load_bf16x16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
+  float a[16], u[16];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(a, activation16(load_bf16x16(gate + i), gelu));
+    _mm512_storeu_ps(u, load_bf16x16(up + i));
+    for (int l = 0; l < 16; ++l) out[i + l] = bf16(float(bf16(a[l])) * u[l]);
+  }
+  for (; i < n; ++i) {  // the tail through the same vector code, one lane used
+    _mm512_storeu_ps(a, activation16(_mm512_set1_ps(float(gate[i])), gelu));
+    out[i] = bf16(float(bf16(a[0])) * float(up[i]));
+  }
+}
+#else
+void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = gate[i];
+    const float z = gelu ? 1.5957691216057308f * (x + 0.044715f * (x * x * x)) : x;
+    out[i] = bf16(float(bf16(x / (1.f + std::exp(-z)))) * float(up[i]));
+  }
+}
+#endif
+
+// act(gate) * up for gate, up [M, I] bf16 (or both halves of one fused [M, 2 I] when up is None); act(gate) is
+// rounded to bf16 before the product, as the two PyTorch ops do.
+at::Tensor gated_activation(const at::Tensor& gate_in, const std::optional<at::Tensor>& up_in, bool gelu) {
+  TORCH_CHECK(gate_in.scalar_type() == at::kBFloat16 && gate_in.is_contiguous(),
+              "gated_activation: contiguous bf16 gate expected");
+  const int64_t width = gate_in.size(-1), M = gate_in.numel() / width;
+  const int64_t I = up_in.has_value() ? width : width / 2;
+  const bf16* gate = gate_in.data_ptr<bf16>();
+  const bf16* up = gate + I;
+  const int64_t stride = width;  // a row of the fused tensor holds gate then up
+  if (up_in.has_value()) {
+    TORCH_CHECK(up_in->sizes() == gate_in.sizes() && up_in->is_contiguous() &&
+                    up_in->scalar_type() == at::kBFloat16, "gated_activation: up must match gate");
+    up = up_in->data_ptr<bf16>();
+  } else {
+    TORCH_CHECK(width % 2 == 0, "gated_activation: a fused gate/up needs an even width");
+  }
+  std::vector<int64_t> shape(gate_in.sizes().begin(), gate_in.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gate_in.options());
+  bf16* dst = out.data_ptr<bf16>();
+  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) gated_row(gate + m * stride, up + m * stride, I, gelu, dst + m * I);
+  });
+  return out;
+}
+
+// The residual add of a sublayer's output y to x (Gemma first norms y with `post`), and the next norm of the
+// sum: returns (x + y, next_norm(x + y)), x, y [.., D] bf16.
+std::vector<at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& y,
+                                      const std::optional<at::Tensor>& post, const at::Tensor& next, double eps,
+                                      bool gemma) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && y.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  y.is_contiguous() && x.sizes() == y.sizes(), "residual_norm: contiguous bf16 x, y of one shape");
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  const float* pw = norm_weight(post, D, "residual_norm post");
+  const float* nw = norm_weight(next, D, "residual_norm next");
+  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
+  const bf16 *xs = x.data_ptr<bf16>(), *ys = y.data_ptr<bf16>();
+  bf16 *out = sum.data_ptr<bf16>(), *no = normed.data_ptr<bf16>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> yn(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* yr = ys + r * D;
+      if (pw) {
+        norm_row(yr, pw, D, float(eps), gemma, yn.data());
+        yr = yn.data();
+      }
+      for (int64_t i = 0; i < D; ++i) out[r * D + i] = bf16(float(xs[r * D + i]) + float(yr[i]));
+      norm_row(out + r * D, nw, D, float(eps), gemma, no + r * D);
+    }
+  });
+  return {sum, normed};
 }
 
 }  // namespace
@@ -696,6 +877,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("out_fp32"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, "row-invariant masked attention (bf16)", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("mask"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store", &rope_store, "q/k norms, rope, k/v into the cache; q as [B, H, T, D]", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("gemma"),
+        py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_activation", &gated_activation, "act(gate) * up (bf16)", py::arg("gate"), py::arg("up"),
+        py::arg("gelu"), py::call_guard<py::gil_scoped_release>());
+  m.def("residual_norm", &residual_norm, "(x + [post_norm] y, next_norm(x + [post_norm] y))", py::arg("x"),
+        py::arg("y"), py::arg("post"), py::arg("next"), py::arg("eps"), py::arg("gemma"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("variant", [] {
     std::string linear = kDotPath;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)

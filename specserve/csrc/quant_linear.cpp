@@ -356,19 +356,39 @@ Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes
   return W;
 }
 
-at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const std::optional<at::Tensor>& planes,
-                        const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
-                        const std::optional<at::Tensor>& bias, int64_t N, int64_t bits, int64_t group, int64_t zero,
-                        bool out_fp32, const std::string& isa_name) {
-  const Packed W = packed_from(qs, planes, scales, offsets, N, bits, group, zero);
+// y = x @ [W_0; W_1; ...].T + bias: several packed weights over the same input (fused q/k/v or gate/up whose
+// formats differ) in one call, x quantized once, their tiles shared out over the threads together; weight i's
+// outputs are columns [sum N_<i}, + N_i) of y.
+at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& qs,
+                        const std::vector<std::optional<at::Tensor>>& planes, const std::vector<at::Tensor>& scales,
+                        const std::vector<std::optional<at::Tensor>>& offsets, const std::optional<at::Tensor>& bias,
+                        const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
+                        const std::vector<int64_t>& group, const std::vector<int64_t>& zero, bool out_fp32,
+                        const std::string& isa_name) {
+  const size_t parts = qs.size();
+  TORCH_CHECK(parts > 0 && planes.size() == parts && scales.size() == parts && offsets.size() == parts &&
+                  N.size() == parts && bits.size() == parts && group.size() == parts && zero.size() == parts,
+              "quant_linear: one entry per weight in every list");
   const Isa isa = parse_isa(isa_name);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K == W.kblocks * kBlock, "x has K=", K, ", the weight ", W.kblocks * kBlock);
+  std::vector<Packed> W;
+  std::vector<std::array<TileFn, kMaxRows + 1>> fns;
+  std::vector<int64_t> column(parts + 1, 0);
+  std::vector<std::pair<int, int64_t>> work;  // (weight, tile)
+  for (size_t i = 0; i < parts; ++i) {
+    W.push_back(packed_from(qs[i], planes[i], scales[i], offsets[i], N[i], bits[i], group[i], zero[i]));
+    TORCH_CHECK(K == W[i].kblocks * kBlock, "x has K=", K, ", the weight ", W[i].kblocks * kBlock);
+    fns.push_back(tiles(isa, W[i]));
+    column[i + 1] = column[i] + N[i];
+    for (int64_t t = 0; t < W[i].tiles; ++t) work.emplace_back(int(i), t);
+  }
+  const int64_t width = column[parts];
   if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(), "bias: fp32 [N]");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == width && bias->is_contiguous(),
+                "bias: fp32 [sum of N]");
 
   std::vector<int8_t> p(M * K);
   std::vector<float> dx(M * (K / kBlock));
@@ -380,27 +400,29 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const std:
   const Acts X{p.data(), dx.data(), psum16.data(), K};
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(out_type));
+  at::Tensor y = at::empty({M, width}, x.options().dtype(out_type));
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y32 = out_type == at::kFloat ? y.data_ptr<float>() : nullptr;
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
-  const auto fns = tiles(isa, W);
-  at::parallel_for(0, W.tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
     float block[kMaxRows * kTile];
-    for (int64_t tile = begin; tile < end; ++tile)
+    for (int64_t item = begin; item < end; ++item) {
+      const auto [i, tile] = work[item];
+      const Packed& w = W[i];
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-        if (fns[mr]) fns[mr](W, X, tile, m0, block);
-        else tile_scalar(W, X, tile, m0, mr, block);
-        const int64_t count = std::min<int64_t>(kTile, N - tile * kTile);
-        for (int i = 0; i < mr; ++i)
+        if (fns[i][mr]) fns[i][mr](w, X, tile, m0, block);
+        else tile_scalar(w, X, tile, m0, mr, block);
+        const int64_t count = std::min<int64_t>(kTile, w.N - tile * kTile);
+        for (int r = 0; r < mr; ++r)
           for (int64_t j = 0; j < count; ++j) {
-            const int64_t n = tile * kTile + j;
-            const float v = b ? block[i * kTile + j] + b[n] : block[i * kTile + j];
-            if (y32) y32[(m0 + i) * N + n] = v;
-            else y16[(m0 + i) * N + n] = at::BFloat16(v);
+            const int64_t n = column[i] + tile * kTile + j;
+            const float v = b ? block[r * kTile + j] + b[n] : block[r * kTile + j];
+            if (y32) y32[(m0 + r) * width + n] = v;
+            else y16[(m0 + r) * width + n] = at::BFloat16(v);
           }
       }
+    }
   });
   return y;
 }
@@ -480,7 +502,8 @@ std::string best_isa() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "y = x @ dequant(W).T over packed low-bit weights, row-invariant");
+  m.def("quant_linear", &quant_linear, "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant",
+        py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
   m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
   m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");

@@ -177,3 +177,27 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     values, bit for bit; masked keys are never read, and a row with no visible key is zeros.
     """
     return _require().decode_attention(q, k, v, mask, float(scale))
+
+
+# The glue of a decoder layer (see the C++ for the exact rounding order of each).
+
+def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+               k_norm: torch.Tensor | None, eps: float, gemma: bool, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """q, k, v [B, T, heads * D] (views of one fused projection are fine): per head the optional q/k RMSNorm, then
+    rope with cos, sin [B, T, D]; k, v go into the layer's caches [rows, Hkv, C, D] at `slots` [B, T]. Returns the
+    rotated q [B, H, T, D]."""
+    return _require().rope_store(q, k, v, q_norm, k_norm, float(eps), bool(gemma), cos, sin, k_cache, v_cache,
+                                 slots)
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+    """act(gate) * up in bf16 (tanh-approximated gelu or silu); with up None, gate is one fused [..., 2 I]."""
+    return _require().gated_activation(gate, up, bool(gelu))
+
+
+def residual_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor | None, next_norm: torch.Tensor,
+                  eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, next_norm(s)) with s = x + post(y) (Gemma's sandwich norm) or x + y when post is None; bf16."""
+    total, normed = _require().residual_norm(x, y, post, next_norm, float(eps), bool(gemma))
+    return total, normed

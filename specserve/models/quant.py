@@ -219,14 +219,19 @@ class PackedWeight:
                    codes.bits, codes.group, codes.zero, codes.kind)
 
     @staticmethod
-    def concat(parts: list["PackedWeight"]) -> "PackedWeight | None":
-        """One weight for several over the same input (fused q/k/v, gate/up), or None when the formats differ
-        or a part does not fill whole tiles."""
+    def fusable(parts: list["PackedWeight"]) -> bool:
+        """Whether `concat` can make one weight of these: one format, and every part fills whole tiles."""
         first = parts[0]
         same = all((p.bits, p.group, p.zero, p.offsets is None, p.in_features)
                    == (first.bits, first.group, first.zero, first.offsets is None, first.in_features) for p in parts)
-        if not same or any(p.out_features % TILE for p in parts):
+        return same and not any(p.out_features % TILE for p in parts)
+
+    @staticmethod
+    def concat(parts: list["PackedWeight"]) -> "PackedWeight | None":
+        """One weight for several over the same input (fused q/k/v, gate/up), or None when not `fusable`."""
+        if not PackedWeight.fusable(parts):
             return None
+        first = parts[0]
         cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
         fused = PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
                              sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
@@ -251,9 +256,7 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
         """x [..., K] (bf16 or fp32) @ W.T + bias -> [..., N] in x's dtype (fp32 with out_fp32)."""
-        y = _kernel().quant_linear(x.reshape(-1, self.in_features), *self.tensors, bias, self.out_features,
-                                   self.bits, self.group, self.zero, out_fp32, isa())
-        return y.view(*x.shape[:-1], self.out_features)
+        return packed_matmul(x, [self], bias, out_fp32)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (fp32 [..., K])."""
@@ -300,6 +303,16 @@ def load_packed(path) -> dict[str, PackedWeight] | None:
                 for name, fields in json.loads(header["specserve_packed"]).items()}
 
 
+def packed_matmul(x: torch.Tensor, weights: list[PackedWeight], bias: torch.Tensor | None = None,
+                  out_fp32: bool = False) -> torch.Tensor:
+    """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input in one kernel call."""
+    fields = list(zip(*(w.tensors for w in weights)))
+    y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), *fields, bias, [w.out_features for w in weights],
+                               [w.bits for w in weights], [w.group for w in weights], [w.zero for w in weights],
+                               out_fp32, isa())
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
 def isa() -> str:
     """The kernel path: SPECSERVE_QUANT_ISA (avx512, avx2, scalar) if set, else the best this CPU runs."""
     return os.environ.get("SPECSERVE_QUANT_ISA", "auto")
@@ -338,6 +351,29 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         return self.packed.matmul(x, self.bias, out_fp32)
+
+
+class FusedQuantLinear(nn.Module):
+    """Several quantized linears over the same input (q/k/v, gate/up) as one kernel call, their outputs
+    concatenated. Runs of parts in one format share one packed weight (the parts become views of it); parts of
+    other formats (a GGUF mixes them, e.g. Q5_0 q/k with a Q8_0 v) ride the same call."""
+
+    def __init__(self, layers: list[QuantLinear]):
+        super().__init__()
+        self.weights: list[PackedWeight] = []
+        run: list[PackedWeight] = []
+        for packed in [layer.packed for layer in layers] + [None]:
+            if run and (packed is None or not PackedWeight.fusable([run[0], packed])):
+                self.weights.append(PackedWeight.concat(run) if len(run) > 1 else run[0])
+                run = []
+            if packed is not None:
+                run.append(packed)
+        biases = [layer.bias for layer in layers]
+        self.bias = None if biases[0] is None else torch.cat(biases)
+        self.out_features = sum(layer.out_features for layer in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_matmul(x, self.weights, self.bias)
 
 
 class QuantEmbedding(nn.Module):

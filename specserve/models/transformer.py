@@ -17,7 +17,7 @@ from torch import nn
 
 from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
-from specserve.models.quant import PackedWeight, QuantEmbedding, QuantLinear
+from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
@@ -51,15 +51,6 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def fuse_quant(layers: list[QuantLinear]) -> QuantLinear | None:
-    """One packed weight for several quantized linears over the same input, when their formats match."""
-    packed = PackedWeight.concat([layer.packed for layer in layers])
-    if packed is None:
-        return None
-    biases = [layer.bias for layer in layers]
-    return QuantLinear(packed, None if biases[0] is None else torch.cat(biases))
-
-
 def linear(x: torch.Tensor, layer: nn.Module, row_invariant: bool) -> torch.Tensor:
     if isinstance(layer, QuantLinear):  # row-invariant at any row count
         return layer(x)
@@ -68,6 +59,17 @@ def linear(x: torch.Tensor, layer: nn.Module, row_invariant: bool) -> torch.Tens
     if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_LAYER_ROWS):
         return cpu_kernels.f32_linear(x, layer.weight, layer.bias)
     return layer(x)
+
+
+def fused_or_parts(fused: FusedQuantLinear | tuple | torch.Tensor | None, parts: list[nn.Module], x: torch.Tensor,
+                   row_invariant: bool) -> list[torch.Tensor]:
+    """[y] from the fused weight of several linears over x when there is one for this path, else [y_i] per part."""
+    if isinstance(fused, FusedQuantLinear):
+        return [fused(x)]
+    if row_invariant and fused is not None:  # one kernel call instead of several
+        return [cpu_kernels.small_linear(x, *fused) if isinstance(fused, tuple) else
+                cpu_kernels.small_linear(x, fused)]
+    return [linear(x, part, row_invariant) for part in parts]
 
 
 @dataclass
@@ -208,20 +210,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights for the kernels
-        self.qkv_quant: QuantLinear | None = None  # fused packed weights (same format)
+        self.qkv_quant: FusedQuantLinear | None = None
 
     def project(self, x: torch.Tensor, row_invariant: bool):
-        sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-        if self.qkv_quant is not None:
-            return self.qkv_quant(x).split(sizes, dim=-1)
-        if row_invariant and self.qkv is not None:  # one kernel call instead of three
-            return cpu_kernels.small_linear(x, *self.qkv).split(sizes, dim=-1)
-        return tuple(linear(x, proj, row_invariant) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        outputs = fused_or_parts(self.qkv_quant or self.qkv, projections, x, row_invariant)
+        if len(outputs) == 1:
+            return outputs[0].split([p.out_features for p in projections], dim=-1)
+        return outputs
 
-    def forward(self, x, cos, sin, cache: KVCache, slots, mask, row_invariant: bool) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
+        """Attention with PyTorch's ops (prefill, and CPUs without the row-invariant kernels)."""
         spec = self.spec
         bsz, seq, _ = x.shape
-        q, k, v = self.project(x, row_invariant)
+        q, k, v = self.project(x, row_invariant=False)
         q = q.reshape(bsz, seq, spec.num_heads, spec.head_dim)
         k = k.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
@@ -232,15 +234,23 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         keys, values = cache.write(self.layer_idx, slots, k, v, mask.shape[-1])
-        if row_invariant:
-            out = cpu_kernels.decode_attention(q.contiguous(), keys, values, mask, spec.attn_scale)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=spec.attn_scale,
-                enable_gqa=spec.num_kv_heads != spec.num_heads,
-            )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=spec.attn_scale,
+                                             enable_gqa=spec.num_kv_heads != spec.num_heads)
         out = out.transpose(1, 2).reshape(bsz, seq, spec.num_heads * spec.head_dim)
-        return linear(out, self.o_proj, row_invariant)
+        return linear(out, self.o_proj, row_invariant=False)
+
+    def forward_kernels(self, h, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
+        """`forward` on the row-invariant kernels, its glue (q/k norms, rope, cache writes) in one call."""
+        spec = self.spec
+        bsz, seq, _ = h.shape
+        q, k, v = self.project(h, row_invariant=True)
+        q_norm, k_norm = (self.q_norm.kernel_weight(), self.k_norm.kernel_weight()) if spec.qk_norm else (None, None)
+        keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+        q = cpu_kernels.rope_store(q, k, v, q_norm, k_norm, spec.rms_norm_eps, spec.gemma, cos, sin, keys, values,
+                                   slots)
+        span = mask.shape[-1]
+        out = cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask, spec.attn_scale)
+        return linear(out.transpose(1, 2).reshape(bsz, seq, -1), self.o_proj, row_invariant=True)
 
 
 class MLP(nn.Module):
@@ -250,22 +260,28 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weight for the kernels
-        self.gate_up_quant: QuantLinear | None = None  # fused packed weights (same format)
-        if spec.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        self.gate_up_quant: FusedQuantLinear | None = None
+        self.gelu = spec.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
+        if self.gelu:
             self.act = lambda t: F.gelu(t, approximate="tanh")
         elif spec.hidden_act == "silu":
             self.act = F.silu
         else:
             raise ValueError(f"unsupported activation {spec.hidden_act!r}")
 
-    def forward(self, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
-        if self.gate_up_quant is not None:
-            gate, up = self.gate_up_quant(x).chunk(2, dim=-1)
-        elif row_invariant and self.gate_up is not None:
-            gate, up = cpu_kernels.small_linear(x, self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = linear(x, self.gate_proj, row_invariant), linear(x, self.up_proj, row_invariant)
-        return linear(self.act(gate) * up, self.down_proj, row_invariant)
+    def gate_up_outputs(self, x: torch.Tensor, row_invariant: bool) -> list[torch.Tensor]:
+        return fused_or_parts(self.gate_up_quant or self.gate_up, [self.gate_proj, self.up_proj], x, row_invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = self.gate_up_outputs(x, row_invariant=False)
+        gate, up = outputs[0].chunk(2, dim=-1) if len(outputs) == 1 else outputs
+        return linear(self.act(gate) * up, self.down_proj, row_invariant=False)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` on the row-invariant kernels, act(gate) * up in one call."""
+        outputs = self.gate_up_outputs(x, row_invariant=True)
+        gated = cpu_kernels.gated_activation(outputs[0], None if len(outputs) == 1 else outputs[1], self.gelu)
+        return linear(gated, self.down_proj, row_invariant=True)
 
 
 class DecoderLayer(nn.Module):
@@ -281,14 +297,29 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
 
-    def forward(self, x, cos, sin, cache, slots, mask, row_invariant: bool):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask, row_invariant)
+    def forward(self, x, cos, sin, cache, slots, mask):
+        """The layer with PyTorch's ops (prefill, and CPUs without the row-invariant kernels)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
         if self.gemma:
             x = x + self.post_attention_layernorm(attn)
-            mlp = self.mlp(self.pre_feedforward_layernorm(x), row_invariant)
+            mlp = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(mlp)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x), row_invariant)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_kernels(self, x, normed, cos, sin, cache, slots, mask, next_norm: RMSNorm):
+        """`forward` on the row-invariant kernels, given `normed` = input_layernorm(x); returns the layer's output
+        and `next_norm` of it (the next layer's input norm or the final one), so each residual add and the norm
+        after it are one call."""
+        eps, weight = self.input_layernorm.eps, RMSNorm.kernel_weight
+        attn = self.self_attn.forward_kernels(normed, cos, sin, cache, slots, mask)
+        if self.gemma:
+            x, normed = cpu_kernels.residual_norm(x, attn, weight(self.post_attention_layernorm),
+                                                  weight(self.pre_feedforward_layernorm), eps, gemma=True)
+            return cpu_kernels.residual_norm(x, self.mlp.forward_kernels(normed),
+                                             weight(self.post_feedforward_layernorm), weight(next_norm), eps, True)
+        x, normed = cpu_kernels.residual_norm(x, attn, None, weight(self.post_attention_layernorm), eps, False)
+        return cpu_kernels.residual_norm(x, self.mlp.forward_kernels(normed), None, weight(next_norm), eps, False)
 
 
 @dataclass
@@ -341,7 +372,7 @@ class CausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
             if all(isinstance(m, QuantLinear) for m in qkv + gate_up):
-                attn.qkv_quant, mlp.gate_up_quant = fuse_quant(qkv), fuse_quant(gate_up)
+                attn.qkv_quant, mlp.gate_up_quant = FusedQuantLinear(qkv), FusedQuantLinear(gate_up)
             elif self.kernels_usable and not any(isinstance(m, QuantLinear) for m in qkv + gate_up):
                 attn.qkv = fuse_linears(qkv)
                 mlp.gate_up = fuse_linears(gate_up)[0]
@@ -434,12 +465,19 @@ class CausalLM(nn.Module):
         rope = {kind: self.rope.lookup(positions, kind) for kind in masks}
         x = self.embed(tokens)
         hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        layers = self.model.layers
+        normed = layers[0].input_layernorm(x) if row_invariant else None
+        for i, layer in enumerate(layers):
             cos, sin = rope[layer.layer_type]
-            x = layer(x, cos, sin, cache, slots, masks[layer.layer_type], row_invariant)
+            if row_invariant:
+                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+                x, normed = layer.forward_kernels(x, normed, cos, sin, cache, slots, masks[layer.layer_type],
+                                                  next_norm)
+            else:
+                x = layer(x, cos, sin, cache, slots, masks[layer.layer_type])
             if i in output_layers:
                 hidden[i] = x
-        x = self.model.norm(x)
+        x = normed if row_invariant else self.model.norm(x)
         if -1 in output_layers:
             hidden[-1] = x
         if logits_rows is not None:

@@ -1,0 +1,161 @@
+"""The row-invariant forward of bf16 models (decoding, chain and tree verification, drafting): its glue kernels
+round as the PyTorch ops they replace, a token's logits are bit-identical for 1..64 rows in any batch, the whole
+forward tracks PyTorch's, and greedy speculation equals plain decoding on it, for every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.engine.engine import Engine
+from specserve.models import cpu_kernels as ck
+from specserve.models.kv_cache import KVCache
+from specserve.models.loader import load_model
+from specserve.models.transformer import RMSNorm, rotate_half
+from specserve.spec.proposers import DraftModelMethod, NGramMethod
+from specserve.spec.sampling import SamplingParams
+
+if not ck.available():
+    pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def norm_weights(dim: int, gemma: bool) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-6, gemma)
+    with torch.no_grad():
+        norm.weight.normal_()
+    return norm
+
+
+@pytest.mark.parametrize("gemma, qk_norm", [(True, True), (False, True), (False, False)])
+def test_rope_store_equals_the_pytorch_ops(gemma, qk_norm):
+    b, t, h, hkv, d, capacity = 2, 5, 4, 2, 32, 16
+    qkv = (torch.randn(b, t, (h + 2 * hkv) * d) * 2).bfloat16()
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)  # strided views, as the fused projection gives
+    angles = torch.randn(b, t, d)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    slots = torch.tensor([[3, 4, 5, 9, 7], [0, 1, 2, 3, 4]])
+    q_norm, k_norm = norm_weights(d, gemma), norm_weights(d, gemma)
+    keys, values = torch.zeros(b, hkv, capacity, d).bfloat16(), torch.zeros(b, hkv, capacity, d).bfloat16()
+    got = ck.rope_store(q, k, v, q_norm.kernel_weight() if qk_norm else None,
+                        k_norm.kernel_weight() if qk_norm else None, 1e-6, gemma, cos, sin, keys, values, slots)
+
+    def heads(x, n):
+        x = x.reshape(b, t, n, d)
+        return x.transpose(1, 2)
+
+    want_q, want_k = heads(q, h), heads(k, hkv)
+    if qk_norm:
+        want_q = ck.rms_norm(want_q.transpose(1, 2).contiguous(), q_norm.kernel_weight(), 1e-6, gemma).transpose(1, 2)
+        want_k = ck.rms_norm(want_k.transpose(1, 2).contiguous(), k_norm.kernel_weight(), 1e-6, gemma).transpose(1, 2)
+    c, s = cos[:, None], sin[:, None]
+    want_q = want_q * c + rotate_half(want_q) * s
+    want_k = want_k * c + rotate_half(want_k) * s
+    assert torch.equal(got, want_q)
+    rows = torch.arange(b)[:, None].expand_as(slots)
+    assert torch.equal(keys[rows, :, slots], want_k.transpose(1, 2))
+    assert torch.equal(values[rows, :, slots], heads(v, hkv).transpose(1, 2))
+    untouched = torch.ones(b, capacity, dtype=torch.bool)
+    untouched[rows, slots] = False
+    assert keys.transpose(1, 2)[untouched].eq(0).all()
+
+
+def test_rope_store_refuses_a_slot_past_the_cache():
+    q, kv = torch.zeros(1, 1, 32).bfloat16(), torch.zeros(1, 1, 32).bfloat16()
+    cache = torch.zeros(1, 1, 4, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ck.rope_store(q, kv, kv, None, None, 1e-6, False, q, q, cache, cache.clone(), torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_residual_norm_equals_the_pytorch_ops(gemma):
+    x, y = (torch.randn(3, 4, 64) * 3).bfloat16(), torch.randn(3, 4, 64).bfloat16()
+    post, nxt = norm_weights(64, gemma), norm_weights(64, gemma)
+    total, normed = ck.residual_norm(x, y, post.kernel_weight() if gemma else None, nxt.kernel_weight(), 1e-6, gemma)
+    want = x + (post(y) if gemma else y)
+    assert torch.equal(total, want)
+    assert torch.equal(normed, nxt(want))
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gated_activation_tracks_pytorch_and_is_row_invariant(gelu):
+    gate_up = (torch.randn(9, 2 * 80) * 3).bfloat16()  # 80: a 16-lane tail
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = ck.gated_activation(gate_up, None, gelu)
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+    want = act * up
+    # the activation is our own vectorized exp: at most one bf16 step off PyTorch's before the product
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(ck.gated_activation(gate.contiguous(), up.contiguous(), gelu), got)
+    for i in range(9):
+        assert torch.equal(ck.gated_activation(gate_up[i:i + 1], None, gelu)[0], got[i])
+
+
+@pytest.fixture(scope="module")
+def bf16_model(checkpoint):
+    made = {}
+
+    def get(family: str, seed: int = 0):
+        if (family, seed) not in made:
+            made[family, seed] = load_model(checkpoint(family, seed), dtype=torch.bfloat16)
+        return made[family, seed]
+
+    return get
+
+
+def chain_logits(model, tokens: torch.Tensor, prefix: int, split: list[int]) -> torch.Tensor:
+    """Logits of tokens[:, prefix:] [B, T, V], forwarded in chunks of `split` tokens after a prefix."""
+    cache = KVCache.for_model(model, tokens.shape[0], tokens.shape[1])
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    model(tokens[:, :prefix], positions[:, :prefix], cache, positions[:, :prefix])
+    cache.lengths[:] = prefix
+    out, start = [], prefix
+    for size in split:
+        span = slice(start, start + size)
+        out.append(model(tokens[:, span], positions[:, span], cache, positions[:, span]).logits)
+        start += size
+        cache.lengths[:] = start
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_are_bit_identical_for_1_to_64_rows(family, bf16_model):
+    model = bf16_model(family).model
+    assert model.kernels_usable
+    tokens = torch.randint(3, 384, (2, 80))
+    one_by_one = chain_logits(model, tokens, 16, [1] * 64)
+    for split in ([64], [2, 3, 59], [33, 31], [8] * 8):
+        assert torch.equal(chain_logits(model, tokens, 16, split), one_by_one), split
+    assert torch.equal(chain_logits(model, tokens[1:], 16, [64]), one_by_one[1:])  # alone = in a batch
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernel_forward_tracks_pytorch_ops(family, bf16_model):
+    """The same tokens through the kernels (<= 64 per forward) and through PyTorch's ops (a longer forward)."""
+    model = bf16_model(family).model
+    tokens = torch.randint(3, 384, (1, 65))
+    kernels = chain_logits(model, tokens, 1, [64])
+    positions = torch.arange(65)[None]
+    pytorch = model(tokens, positions, KVCache.for_model(model, 1, 65), positions).logits[:, 1:]
+    assert ((kernels - pytorch).norm() / pytorch.norm()) < 0.02
+    assert (kernels.argmax(-1) == pytorch.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_speculation_equals_plain(family, bf16_model):
+    target = bf16_model(family)
+    plain = Engine(target)
+    params = SamplingParams(max_tokens=32)
+    vocab = target.model.spec.vocab_size
+    for prompt in ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The lazy"]:
+        expected = plain.generate(prompt, params).token_ids
+        for method, draft_len in [(NGramMethod(1, 3), 4), (DraftModelMethod(bf16_model(family, 1).model, vocab), 3),
+                                  (DraftModelMethod(target.model, vocab), 8)]:
+            assert Engine(target, method, draft_len).generate(prompt, params).token_ids == expected, method
