@@ -158,3 +158,17 @@ def test_rms_norm_matches_the_model_norm_and_is_row_invariant(gemma):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     for i in range(12):
         assert torch.equal(ck.rms_norm(x[i:i + 1], norm.kernel_weight(), norm.eps, gemma)[0], got[i])
+
+
+def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
+    for shape in [(1, 262144), (5, 1000), (3, 17), (2, 1), (2, 3, 40)]:
+        x = torch.randn(*shape)
+        assert torch.equal(ck.argmax(x), x.argmax(-1)), shape
+    x = torch.randn(5, 100)
+    x[0, 10] = x[0, 90] = x[0, 20] = 1e9  # ties: the first index
+    x[1, 70] = x[1, 50] = float("nan")  # a NaN wins, the first one
+    x[2] = float("-inf")
+    x[3, 99] = float("inf")  # in the tail lanes
+    x[4] = 0.0
+    assert torch.equal(ck.argmax(x), x.argmax(-1))
+    assert ck.argmax(x).tolist() == [10, 50, 0, 99, 0]

@@ -201,3 +201,12 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor | None, n
     """(s, next_norm(s)) with s = x + post(y) (Gemma's sandwich norm) or x + y when post is None; bf16."""
     total, normed = _require().residual_norm(x, y, post, next_norm, float(eps), bool(gemma))
     return total, normed
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for fp32 logits (the first maximum, or the first NaN), in one vectorized pass:
+    PyTorch's reduction costs ~3% of a decoding step over a 262k vocabulary. PyTorch's own where the kernels are
+    unavailable."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.numel() == 0 or not available():
+        return logits.argmax(-1)
+    return _require().argmax(logits)
