@@ -13,6 +13,7 @@ dtype chosen on CPUs without AVX-512: row-invariant, and it reads each weight on
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import sys
 import threading
@@ -42,12 +43,21 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _compile(name: str, source: Path, flags: list[str]):
-    from torch.utils.cpp_extension import get_default_build_root, load
+def _build_root() -> Path:
+    """torch's extension folder (TORCH_EXTENSIONS_DIR when set, as torch's own loader does)."""
+    from torch.utils.cpp_extension import get_default_build_root
 
-    # The .so is tied to the Python and torch it was built against.
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _compile(name: str, source: Path, flags: list[str]):
+    from torch.utils.cpp_extension import load
+
+    # The .so is tied to the Python and torch it was built against, and to its source: a folder per source
+    # version, so two checkouts (or an upgrade) never rebuild over each other's kernels.
     abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    build_dir = Path(get_default_build_root()) / abi / name
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    build_dir = _build_root() / abi / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{name}.so"
     # torch's own build lock is a plain file that a killed build leaves behind, after which every later load
@@ -55,7 +65,7 @@ def _compile(name: str, source: Path, flags: list[str]):
     with open(build_dir / "specserve.flock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
-        if not built.exists() or built.stat().st_mtime < source.stat().st_mtime:
+        if not built.exists():
             print(f"specserve: compiling {name} (once) ...", file=sys.stderr, flush=True)
         return load(name=name, sources=[str(source)], build_directory=str(build_dir),
                     extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
