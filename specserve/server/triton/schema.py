@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, ServedModel
 
+
 @dataclass(frozen=True)
 class Tensor:
+    """One declared input or output."""
+
     name: str
     datatype: str  # KServe datatype: BYTES, BOOL, INT32, UINT64, FP32, ...
     dims: tuple[int, ...] = (1,)
@@ -17,6 +20,7 @@ class Tensor:
 
 
 def _t(name, datatype, dims=(1,), optional=True):
+    """Shorthand that keeps the tables below one tensor per item."""
     return Tensor(name, datatype, tuple(dims), optional)
 
 
