@@ -23,11 +23,13 @@ from starlette.routing import Route
 
 from specserve.config import ConfigError, DeploymentConfig, load_model_yaml
 from specserve.models.loader import DEFAULT_MODEL
-from specserve.server import openai_api, triton
-from specserve.server.http import ServerContext, json_response
+from specserve.server import openai, triton
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from specserve.server.openai import protocol as openai_protocol
 from specserve.server.repository import (DEFAULT_MAX_QUEUE_SIZE, LLMAPI, VLLM, ModelRepository, default_name,
                                          load_model_json, single_model_sources)
+from specserve.server.request import ServerContext
+from specserve.server.triton import protocol as triton_protocol
 
 log = logging.getLogger("specserve.server")
 
@@ -73,16 +75,17 @@ def _triton_layout_name(path: Path) -> str | None:
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (404 no route, 405 wrong method) in the format of the API the path belongs to."""
     if request.url.path.startswith("/v1"):
-        return openai_api.error_response(exc.detail, exc.status_code)
-    return json_response({"error": exc.detail}, exc.status_code, headers=getattr(exc, "headers", None))
+        return openai_protocol.error_json(exc.detail, exc.status_code)
+    return triton_protocol.error_json(exc.detail, exc.status_code, headers=getattr(exc, "headers", None))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
     if request.url.path.startswith("/v1"):
-        return openai_api.error_response(f"internal error: {exc}", 500)
-    return json_response({"error": f"internal error: {exc}"}, 500)
+        return openai_protocol.error_json(f"internal error: {exc}", 500)
+    return triton_protocol.error_json(f"internal error: {exc}", 500)
 
 
 def create_app(ctx: ServerContext) -> Starlette:
@@ -92,7 +95,7 @@ def create_app(ctx: ServerContext) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
-    routes = triton.routes() + openai_api.routes() + [Route("/metrics", metrics, methods=["GET"])]
+    routes = triton.routes() + openai.routes() + [Route("/metrics", metrics, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.ctx = ctx
     return app

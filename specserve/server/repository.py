@@ -36,15 +36,15 @@ DEFAULT_MAX_QUEUE_SIZE = 64
 
 
 class RepositoryError(Exception):
-    status = 400
+    """A failed load or unload (HTTP statuses: server/errors.py)."""
 
 
 class ModelNotFoundError(RepositoryError):
-    status = 404
+    pass
 
 
 class ModelNotReadyError(RepositoryError):
-    status = 503
+    pass
 
 
 # ------------------------------------------------------------------------------------------------------------------

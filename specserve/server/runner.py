@@ -1,15 +1,13 @@
-"""The asyncio-facing side of one Engine: a FIFO queue and a worker thread that runs requests.
+"""The asyncio side of one Engine: a FIFO queue and a worker thread that batches requests continuously.
 
     handle = await runner.submit(prompt, params)   # RequestError / QueueFullError / RunnerClosedError here
-    try:
-        async for event in handle:                 # StreamEvent; the last one has .result
-            ...
-    finally:
-        handle.cancel()                            # no-op once finished; stops a running request at its next step
+    result = (await handle.collect()).result       # or: async for event in handle (StreamEvents; the last has
+                                                   # .result), then await handle.aclose()
 
-The interface is all the HTTP layer uses: `submit`, the handle (async iterator + `cancel()` + `timing`), `stats()`
-and `close()`. Today one request runs at a time (serial FIFO); continuous batching can replace the worker without
-touching the callers.
+Between engine steps the worker admits queued requests into free batch rows (up to `max_active`), runs one
+`BatchEngine.step` on the compute thread and hands each request its event. `handle.cancel()` drops a queued
+request or stops a running one before its next step; a consumer that goes away (its task cancelled) cancels too.
+A front end passes a `RequestObserver` to `submit` to learn how the request ended (metrics, cancel by id).
 """
 
 from __future__ import annotations
@@ -34,21 +32,19 @@ _END = object()
 
 
 class RunnerError(RuntimeError):
-    """A request the runner could not run; `status` is the HTTP status it maps to."""
-
-    status = 500
+    """A request the runner could not run (HTTP statuses: server/errors.py)."""
 
 
 class QueueFullError(RunnerError):
-    status = 503
+    pass
 
 
 class RunnerClosedError(RunnerError):
-    status = 503
+    pass
 
 
 class RequestCancelledError(RunnerError):
-    status = 400  # Triton maps CANCELLED to 400
+    pass
 
 
 @dataclass
@@ -79,15 +75,31 @@ class RequestTiming:
         return (self.finished or time.perf_counter()) - self.submitted
 
 
+class RequestObserver:
+    """How a request ended, for whoever submitted it; this base class ignores it. Per request: at most one of
+    `succeeded` / `failed`, then `ended` exactly once."""
+
+    def succeeded(self, handle: RequestHandle, result) -> None:
+        """The consumer received the final event (its GenerationResult)."""
+
+    def failed(self, exc: BaseException, timing: RequestTiming | None) -> None:
+        """The request failed, was cancelled, or its consumer left before the result."""
+
+    def ended(self, handle: RequestHandle | None) -> None:
+        """The request is over for the consumer (None: `submit` refused it)."""
+
+
 class RequestHandle:
-    """One submitted request: an async iterator of StreamEvents (the last has `.result`)."""
+    """One submitted request: an async iterator of StreamEvents (the last has `.result`), `collect()`, `cancel()`
+    and `timing`. Consuming it reports the outcome to its observer."""
 
     def __init__(self, runner: Runner, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop):
+                 loop: asyncio.AbstractEventLoop, observer: RequestObserver):
         self.runner = runner
         self.id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.observer = observer
         self.timing = RequestTiming(submitted=time.perf_counter(), arrival_ns=time.time_ns())
         self.state = "queued"  # queued | running | finished | failed | cancelled
         self.result = None  # GenerationResult once finished
@@ -95,7 +107,8 @@ class RequestHandle:
         self._loop = loop
         self._events: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
-        self._done = False
+        self._done = False  # the consumer has seen the end (or closed the handle)
+        self._delivered = False  # the consumer has received the result
         self.sequence = None  # the engine's Sequence once admitted
 
     @property
@@ -124,29 +137,45 @@ class RequestHandle:
             raise StopAsyncIteration
         try:
             item = await self._events.get()
-        except asyncio.CancelledError:  # the consumer went away (client disconnect)
-            self.cancel()
+        except BaseException as exc:  # CancelledError: the consumer went away (client disconnect)
+            self._end(exc)
             raise
         if item is _END:
-            self._done = True
+            self._end(None)
             raise StopAsyncIteration
         if isinstance(item, BaseException):
-            self._done = True
+            self._end(item)
             raise item
+        if item.result is not None and not self._delivered:
+            self._delivered = True
+            self.observer.succeeded(self, item.result)
         return item
 
     async def aclose(self) -> None:
-        self.cancel()
-        self._done = True
+        """Stop the request if it still runs; closing before the result counts as cancelling it."""
+        self._end(None if self._delivered else RequestCancelledError("the consumer closed the request"))
 
     async def collect(self) -> StreamEvent:
-        """Run to the end; the last event (with .result) but with the whole text and token ids."""
+        """Run to the end and close: one StreamEvent with the whole text and token ids, and the result."""
         texts, ids, last = [], [], None
-        async for event in self:
-            texts.append(event.text)
-            ids.extend(event.token_ids)
-            last = event
+        try:
+            async for event in self:
+                texts.append(event.text)
+                ids.extend(event.token_ids)
+                last = event
+        finally:
+            await self.aclose()
         return StreamEvent("".join(texts), ids, last.result if last else None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        """The consumer is done with the request: stop it, report the failure (if any, before the result)."""
+        if self._done:
+            return
+        self._done = True
+        self.cancel()
+        if exc is not None and not self._delivered:
+            self.observer.failed(exc, self.timing)
+        self.observer.ended(self)
 
 
 DEFAULT_MAX_ACTIVE = 8  # requests decoding together when the config sets no max_batch_size
@@ -176,10 +205,21 @@ class Runner:
         self._thread.start()
 
     # ---- the interface ------------------------------------------------------------------------------------------
-    async def submit(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request. Raises RequestError (bad params, prompt too long), QueueFullError, RunnerClosedError."""
+    async def submit(self, prompt: str | list[int], params: SamplingParams,
+                     observer: RequestObserver | None = None) -> RequestHandle:
+        """Queue a request. Raises RequestError (bad params, prompt too long), QueueFullError, RunnerClosedError;
+        the observer hears of that refusal too."""
+        observer = observer or RequestObserver()
+        try:
+            return self._enqueue(prompt, params, observer)
+        except BaseException as exc:
+            observer.failed(exc, None)
+            observer.ended(None)
+            raise
+
+    def _enqueue(self, prompt: str | list[int], params: SamplingParams, observer: RequestObserver) -> RequestHandle:
         prompt_ids = self._check(prompt, params)
-        handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop())
+        handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer)
         with self._cv:
             if self._closing:
                 raise RunnerClosedError(f"model '{self.name}' is not accepting requests (unloading)")

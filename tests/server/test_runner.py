@@ -201,3 +201,49 @@ def test_close_fails_queued_and_refuses_new():
         return out
 
     assert run(main()).text == "x"
+
+
+class Recorder:
+    """A RequestObserver that lists what it heard."""
+
+    def __init__(self):
+        self.heard: list[tuple] = []
+
+    def succeeded(self, handle, result):
+        self.heard.append(("succeeded", result.finish_reason))
+
+    def failed(self, exc, timing):
+        self.heard.append(("failed", type(exc).__name__, timing is not None))
+
+    def ended(self, handle):
+        self.heard.append(("ended", handle is not None))
+
+
+def test_observer_hears_each_outcome_once():
+    runner = Runner(FakeEngine(delay=0.01), max_queue_size=8)
+    done, refused, closed, broken = Recorder(), Recorder(), Recorder(), Recorder()
+
+    async def main():
+        handle = await runner.submit("a", params(2), observer=done)
+        out = await handle.collect()
+        await handle.aclose()  # closing again after the end changes nothing
+        assert out.text == "xx" and out.token_ids == [7, 7] and out.result.finish_reason == "length"
+        with pytest.raises(RequestError):
+            await runner.submit("x" * 60, params(), observer=refused)
+        handle = await runner.submit("b", params(1000), observer=closed)
+        await handle.__anext__()
+        await handle.aclose()  # the consumer leaves before the result: the request stops
+        with pytest.raises(RuntimeError, match="kaboom"):
+            await (await runner.submit("boom", params(5), observer=broken)).collect()
+
+    run(main())
+    assert done.heard == [("succeeded", "length"), ("ended", True)]
+    assert refused.heard == [("failed", "RequestError", False), ("ended", False)]
+    assert closed.heard == [("failed", "RequestCancelledError", True), ("ended", True)]
+    assert broken.heard == [("failed", "RuntimeError", True), ("ended", True)]
+    for _ in range(200):
+        if runner.stats()["running"] == 0:
+            break
+        time.sleep(0.01)
+    assert runner.stats()["cancelled"] == 1
+    runner.close()

@@ -1,0 +1,322 @@
+"""The OpenAI request and response formats for /v1/completions and /v1/chat/completions: request fields ->
+prompt and SamplingParams (refusing what specserve does not do, naming the field), the response and stream-chunk
+bodies, and errors as `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from starlette.responses import Response
+
+from specserve.engine.engine import RequestError
+from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
+from specserve.server.http import json_response, sse
+from specserve.server.repository import RepositoryError, ServedModel
+from specserve.server.request import ServerContext, sampling_params
+from specserve.server.runner import QueueFullError
+from specserve.spec.sampling import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
+DEFAULT_CHAT_MAX_TOKENS_CAP = 2048  # chat default: the rest of the context, at most this
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 429: "RateLimitError",
+               500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+QUEUE_FULL_MESSAGE = "The server is busy: the request queue is full; retry later"
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# errors
+
+
+def error_json(message: str, status: int = 400, param: str | None = None) -> Response:
+    return json_response(error_body(message, status, param), status)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"), "param": param,
+                      "code": status}}
+
+
+def error_response(exc: BaseException) -> Response:
+    status = http_status(exc, openai=True)
+    if status == CLIENT_CLOSED:
+        return Response(status_code=status)
+    return json_response(exception_body(exc), status)
+
+
+def exception_body(exc: BaseException) -> dict:
+    """The error object for an exception (also sent in-band when a stream fails)."""
+    if isinstance(exc, QueueFullError):
+        message = QUEUE_FULL_MESSAGE
+    else:
+        message = str(exc) if is_expected(exc) else f"internal error: {exc}"
+    return error_body(message, http_status(exc, openai=True), _param(exc))
+
+
+def _param(exc: BaseException) -> str | None:
+    """The request field an error is about: named by the front end, or the SamplingParams field the engine's check
+    names first."""
+    if isinstance(exc, InputError):
+        return exc.param
+    if isinstance(exc, RequestError):
+        word = str(exc).split(" ", 1)[0]
+        return word if word in SAMPLING_FIELDS else None
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# requests
+
+
+def _get(body: dict, key: str, kinds, default=None):
+    """body[key] if it has the type `kinds` (an int passes as a float), `default` when absent or null."""
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if kinds is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and kinds is not bool:
+        raise InputError(f"'{key}' must be of type {kinds.__name__}, got {value!r}", param=key)
+    if not isinstance(value, kinds):
+        name = kinds.__name__ if isinstance(kinds, type) else " or ".join(k.__name__ for k in kinds)
+        raise InputError(f"'{key}' must be of type {name}, got {value!r}", param=key)
+    return value
+
+
+def _stop_list(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise InputError("'stop' must be a string or a list of strings", param="stop")
+
+
+@dataclass
+class CommonFields:
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    max_tokens: int | None  # None: the endpoint's default, decided once the prompt length is known
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    stream: bool
+    include_usage: bool  # a last chunk with the usage
+    continuous_usage: bool  # the usage so far in every chunk
+
+
+def parse_common(body: dict, chat: bool) -> CommonFields:
+    _check_neutral(body)
+    max_tokens = _get(body, "max_completion_tokens", int) if chat else None
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int)
+    if max_tokens is not None and max_tokens < 1:
+        raise InputError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stream = _get(body, "stream", bool, False)
+    options = _stream_options(body, stream)
+    return CommonFields(
+        max_tokens=max_tokens, temperature=_get(body, "temperature", float, 1.0),
+        top_p=_get(body, "top_p", float, 1.0), top_k=max(_get(body, "top_k", int, 0), 0),
+        seed=_get(body, "seed", int), stop=_stop_list(body), stop_token_ids=_stop_token_ids(body),
+        ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
+        stream=stream, include_usage=bool(options.get("include_usage", False)),
+        continuous_usage=bool(options.get("continuous_usage_stats", False)))
+
+
+def _check_neutral(body: dict) -> None:
+    """Fields specserve takes only at their neutral value."""
+    if _get(body, "n", int, 1) != 1:
+        raise InputError("n must be 1: specserve returns one choice per request", param="n")
+    if _get(body, "best_of", int, 1) != 1:
+        raise InputError("best_of must be 1", param="best_of")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _get(body, key, float, 0.0) != 0.0:
+            raise InputError(f"'{key}' is not supported by specserve (only 0)", param=key)
+    if _get(body, "repetition_penalty", float, 1.0) != 1.0:
+        raise InputError("'repetition_penalty' is not supported by specserve (only 1)", param="repetition_penalty")
+    if body.get("logit_bias"):
+        raise InputError("'logit_bias' is not supported by specserve", param="logit_bias")
+
+
+def _stream_options(body: dict, stream: bool) -> dict:
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InputError("'stream_options' must be an object", param="stream_options")
+    if not stream:
+        raise InputError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    return options
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise InputError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    return list(stop_ids)
+
+
+def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat: bool) -> SamplingParams:
+    """The request's SamplingParams; without max_tokens: 16 for completions, the rest of the context (at most
+    2048) for chat."""
+    max_tokens = fields.max_tokens
+    if max_tokens is None:
+        remaining = max_model_len - prompt_len
+        max_tokens = min(max(remaining, 1), DEFAULT_CHAT_MAX_TOKENS_CAP) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    return sampling_params(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
+                           top_k=fields.top_k, seed=fields.seed, stop=fields.stop,
+                           stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
+                           min_tokens=fields.min_tokens)
+
+
+def read_prompt(body: dict, engine, chat: bool) -> tuple[str | list[int], list[int], str]:
+    """(prompt for the runner, its token ids, the text to echo before the completion)."""
+    if chat:
+        ids = chat_prompt(body, engine)
+        return ids, ids, ""
+    prompt, ids, text = completion_prompt(body, engine)
+    return prompt, ids, text if _get(body, "echo", bool, False) else ""
+
+
+def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], str]:
+    """prompt (str | [str] | [int] | [[int]], one prompt) -> (prompt for the runner, token ids, text to echo)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InputError("prompt must be a non-empty string", param="prompt")
+        ids = engine.encode(prompt)
+        return ids, ids, prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt, prompt, engine.tokenizer.decode(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise InputError("batched prompts are not supported: send one prompt per request", param="prompt")
+    raise InputError("prompt must be a string or a list of token ids", param="prompt")
+
+
+def _message_text(message, index: int) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise InputError(f"messages[{index}] must be an object", param="messages")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise InputError(f"messages[{index}].role must be a string", param="messages")
+    content = message.get("content")
+    if content is None:
+        return role, ""
+    if isinstance(content, str):
+        return role, content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InputError(f"messages[{index}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return role, "".join(parts)
+    raise InputError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_prompt(body: dict, engine) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InputError("'messages' must be a non-empty list", param="messages")
+    pairs = [_message_text(m, i) for i, m in enumerate(messages)]
+    tokenizer = engine.tokenizer
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InputError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in pairs], tokenize=False,
+                                                 add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - jinja raises for conversations the template refuses
+            raise InputError(f"cannot apply the chat template: {exc}", param="messages") from None
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:  # no template: a plain transcript
+        text = "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"
+        ids = engine.encode(text)
+    if not ids:
+        raise InputError("the conversation is empty", param="messages")
+    return ids
+
+
+def check_unsupported(body: dict, chat: bool) -> None:
+    """Refuse tools, structured output, logprobs and suffix."""
+    if body.get("tools"):
+        raise InputError("tool calling is not supported by specserve", param="tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise InputError("tool calling is not supported by specserve", param="tool_choice")
+    response_format = body.get("response_format")
+    if response_format not in (None, {}) and (not isinstance(response_format, dict)
+                                              or response_format.get("type") != "text"):
+        raise InputError("only response_format {'type': 'text'} is supported", param="response_format")
+    if chat:
+        if body.get("logprobs") or body.get("top_logprobs"):
+            raise InputError("logprobs are not supported by specserve", param="logprobs")
+    else:
+        if body.get("logprobs") not in (None, 0):
+            raise InputError("logprobs are not supported by specserve", param="logprobs")
+        if body.get("suffix"):
+            raise InputError("'suffix' is not supported", param="suffix")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def find_model(ctx: ServerContext, body: dict) -> tuple[ServedModel, str]:
+    """The model the request names (the first ready one when it names none) and the name to answer with."""
+    name = body.get("model")
+    if name is None:
+        ready = ctx.repository.ready_models()
+        if not ready:
+            raise InputError("no model is loaded", status=503)
+        return ready[0], ready[0].name
+    if not isinstance(name, str):
+        raise InputError("'model' must be a string", param="model")
+    try:
+        return ctx.repository.get(name), name
+    except RepositoryError:
+        raise InputError(f"The model `{name}` does not exist.", param="model", status=404) from None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(meta: dict, chat: bool, text: str, finish_reason: str, usage_: dict) -> dict:
+    """The whole response of a request that does not stream (`text` includes the echoed prompt)."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage_}
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {**meta, "object": "text_completion", "choices": [choice], "usage": usage_}
+
+
+def chunk_object(chat: bool) -> str:
+    return "chat.completion.chunk" if chat else "text_completion"
+
+
+def chunk(meta: dict, chat: bool, text: str | None, finish_reason: str | None, role: bool = False,
+          extra: dict | None = None) -> bytes:
+    """One SSE chunk: a text delta (chat: the assistant role first, then content), or the finish reason."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return sse({**meta, "object": chunk_object(chat), "choices": [choice], **(extra or {})})
