@@ -14,7 +14,7 @@ from specserve.config import (ConfigError, DeploymentConfig, build_engine, load_
                               method_variant)
 from specserve.engine.engine import RequestError
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")

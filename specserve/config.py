@@ -197,8 +197,8 @@ def read_eagle_knobs(spec: dict, config: DeploymentConfig) -> None:
 
 def build_method(config: DeploymentConfig, target: LoadedModel):
     """The SpecMethod for a config (None for plain decoding)."""
-    from specserve.spec.proposers import DraftModelMethod, NGramMethod
-    from specserve.spec.weights import read_draft_vocab
+    from specserve.speculative.proposers import DraftModelMethod, NGramMethod
+    from specserve.speculative.weights import read_draft_vocab
 
     if config.method == "ar":
         return None
@@ -225,9 +225,9 @@ def build_method(config: DeploymentConfig, target: LoadedModel):
 
 
 def build_medusa(config: DeploymentConfig, target: LoadedModel):
-    from specserve.spec.choices import DEFAULT_CHOICES
-    from specserve.spec.medusa import load_medusa
-    from specserve.spec.proposers import MedusaMethod
+    from specserve.speculative.choices import DEFAULT_CHOICES
+    from specserve.speculative.medusa import load_medusa
+    from specserve.speculative.proposers import MedusaMethod
 
     if not config.speculative_model:
         raise ConfigError("Medusa needs speculative_model (the directory of the Medusa heads)")
@@ -240,9 +240,9 @@ def build_medusa(config: DeploymentConfig, target: LoadedModel):
 
 
 def build_eagle(config: DeploymentConfig, target: LoadedModel):
-    from specserve.spec.choices import DEFAULT_CHOICES
-    from specserve.spec.eagle import default_aux_layer_ids, load_eagle
-    from specserve.spec.eagle_draft import EagleMethod
+    from specserve.speculative.choices import DEFAULT_CHOICES
+    from specserve.speculative.eagle import default_aux_layer_ids, load_eagle
+    from specserve.speculative.eagle_draft import EagleMethod
 
     kind = "eagle3" if config.method == "eagle3" else "eagle"
     if not config.speculative_model:

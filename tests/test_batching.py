@@ -6,8 +6,8 @@ import pytest
 
 from specserve.engine.batch import Acceptance, BatchEngine, expected_tokens
 from specserve.engine.engine import Engine
-from specserve.spec.proposers import DraftModelMethod, NGramMethod, Proposal, Proposer, SpecMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.proposers import DraftModelMethod, NGramMethod, Proposal, Proposer, SpecMethod
+from specserve.speculative.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox", "for i in range(10):",
            "def add(a, b):", "The lazy dog sleeps", "print(i * i)", "Once upon a time there was"]

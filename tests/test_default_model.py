@@ -8,7 +8,7 @@ import pytest
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models.loader import DEFAULT_MODEL, load_model
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

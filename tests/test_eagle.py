@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-import specserve.spec.tree as tree_module
+import specserve.speculative.tree as tree_module
 from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_variant
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.spec.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.spec.eagle_draft import EagleMethod, EagleProposer, LookupBranch, Nodes
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
+from specserve.speculative.eagle_draft import EagleMethod, EagleProposer, LookupBranch, Nodes
+from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
 from tests.test_batching import run_batched

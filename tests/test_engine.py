@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.engine.engine import Engine, RequestError
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.proposers import DraftModelMethod, NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]

@@ -10,8 +10,8 @@ import torch
 
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.proposers import DraftModelMethod, NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 STORIES = SHARED / "stories260K"

@@ -9,9 +9,9 @@ import torch
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.spec.medusa import MedusaHeads
-from specserve.spec.proposers import MedusaMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.medusa import MedusaHeads
+from specserve.speculative.proposers import MedusaMethod
+from specserve.speculative.sampling import SamplingParams
 from tests.test_batching import run_batched
 from tests.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
 
@@ -71,7 +71,7 @@ def test_medusa_from_model_yaml_and_cli(loaded, checkpoint, tmp_path):
     from typer.testing import CliRunner
 
     from specserve.cli import app
-    from specserve.spec.medusa import save_medusa
+    from specserve.speculative.medusa import save_medusa
     target = loaded("qwen2")
     heads = save_medusa(random_heads(target.model, num_heads=3), tmp_path / "heads")
     yaml_file = tmp_path / "model.yaml"
@@ -92,8 +92,8 @@ def test_medusa_from_model_yaml_and_cli(loaded, checkpoint, tmp_path):
 
 def test_typical_acceptance_is_opt_in_and_reported_lossy(loaded, checkpoint, tmp_path):
     from specserve.config import build_engine, load_model_yaml
-    from specserve.spec.medusa import save_medusa
-    from specserve.spec.tree import DraftTree, verify_tree_typical
+    from specserve.speculative.medusa import save_medusa
+    from specserve.speculative.tree import DraftTree, verify_tree_typical
 
     # unit: a child is accepted when its token's probability clears min(threshold, alpha * exp(-entropy))
     tree = DraftTree(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))

@@ -13,12 +13,12 @@ from collections import Counter
 import pytest
 import torch
 
-import specserve.spec.verify as verify_module
+import specserve.speculative.verify as verify_module
 from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
-from specserve.spec.proposers import DraftModelMethod
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.verify import verify_sampling
+from specserve.speculative.proposers import DraftModelMethod
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.verify import verify_sampling
 
 DELTA = 1e-4
 

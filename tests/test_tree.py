@@ -10,12 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-import specserve.spec.tree as tree_module
+import specserve.speculative.tree as tree_module
 from specserve.models.kv_cache import KVCache
-from specserve.spec.choices import mc_sim_7b_63
-from specserve.spec.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.tree import DraftTree, chain_tree, tree_from_choices, verify_tree_greedy, verify_tree_sampling
+from specserve.speculative.choices import mc_sim_7b_63
+from specserve.speculative.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.tree import DraftTree, chain_tree, tree_from_choices, verify_tree_greedy, verify_tree_sampling
 from tests.test_sampling_lossless import total_variation, tv_bound
 
 # Deliberately unsorted; sorted by (depth, ranks): [0] [1] [0,0] [0,1] [1,0] [0,0,0] -> nodes 1..6.

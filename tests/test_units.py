@@ -8,7 +8,7 @@ import torch
 from specserve.bench.offline import load_prompts
 from specserve.config import ConfigError, load_model_yaml
 from specserve.models.kv_cache import KVCache
-from specserve.spec.proposers import NGramMethod, longest_ngram_continuation
+from specserve.speculative.proposers import NGramMethod, longest_ngram_continuation
 
 
 def test_ngram_prefers_the_longest_match():

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from specserve.bench.jsonl import read_jsonl
 from specserve.config import ConfigError, DeploymentConfig, build_engine, method_variant
 from specserve.models.loader import LoadedModel, resolve_model_source
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 HF_METHODS = ("hf", "hf-pld")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")

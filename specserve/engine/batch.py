@@ -22,7 +22,7 @@ import torch
 
 from specserve.engine.engine import Engine, Sequence, StreamEvent
 from specserve.models.kv_cache import KVCache
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 
 @dataclass

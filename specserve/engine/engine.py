@@ -15,10 +15,10 @@ import torch
 from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.spec.proposers import Proposal, SpecMethod
-from specserve.spec.sampling import SamplingParams
-from specserve.spec.tree import verify_tree
-from specserve.spec.verify import verify
+from specserve.speculative.proposers import Proposal, SpecMethod
+from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.tree import verify_tree
+from specserve.speculative.verify import verify
 
 
 class RequestError(ValueError):

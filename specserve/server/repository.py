@@ -96,7 +96,7 @@ VLLM_METHODS = {"eagle": "eagle2", "eagle3": "eagle3", "medusa": "medusa"}  # vL
 
 def detect_head_kind(directory: str) -> str | None:
     """"eagle" / "eagle3" when the directory holds an EAGLE head, else None."""
-    from specserve.spec.eagle import detect_kind, read_state
+    from specserve.speculative.eagle import detect_kind, read_state
 
     path = Path(directory)
     if not (path / "config.json").exists():

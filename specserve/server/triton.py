@@ -26,7 +26,7 @@ from specserve.server.http import (ClientDisconnected, EventStream, RequestStrea
                                    sse, with_disconnect)
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, RepositoryError, ServedModel
 from specserve.server.runner import RunnerError
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 SERVER_NAME = "specserve"
 EXTENSIONS = ["model_repository", "model_configuration", "binary_tensor_data", "parameters", "statistics",

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.models.loader import LoadedModel
-from specserve.spec.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
-from specserve.spec.medusa import MedusaHeads, save_medusa
-from specserve.spec.weights import write_draft_vocab
+from specserve.speculative.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
+from specserve.speculative.medusa import MedusaHeads, save_medusa
+from specserve.speculative.weights import write_draft_vocab
 from specserve.train.data import atomic_save
 from specserve.train.draft import draft_loss, new_draft_model, save_draft_model
 

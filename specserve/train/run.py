@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models.loader import LoadedModel
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 from specserve.train.data import build_dataset, load_dataset
 from specserve.train.heads import TrainSettings, train
 from specserve.train.prompt_files import check_held_out

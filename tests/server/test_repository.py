@@ -34,7 +34,7 @@ def test_vllm_flat_keys(tmp_path):
 
 
 def test_vllm_eagle_and_medusa(tmp_path):
-    from specserve.spec.eagle import EagleConfig, EagleHead, save_eagle
+    from specserve.speculative.eagle import EagleConfig, EagleHead, save_eagle
 
     c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_config": {
         "method": "eagle3", "model": "head", "num_speculative_tokens": 5}}))

@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import torch
 
-from specserve.spec.eagle import EagleHead, HeadCache
-from specserve.spec.proposers import Proposal, Proposer, SpecMethod, common_prefix_length, ngram_lookup
-from specserve.spec.tree import DraftTree
+from specserve.speculative.eagle import EagleHead, HeadCache
+from specserve.speculative.proposers import Proposal, Proposer, SpecMethod, common_prefix_length, ngram_lookup
+from specserve.speculative.tree import DraftTree
 
 
 class EagleMethod(SpecMethod):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.spec.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
 
 
 @dataclass

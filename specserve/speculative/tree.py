@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.verify import residual_distribution
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.verify import residual_distribution
 
 
 @dataclass

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from specserve.models.kv_cache import KVCache
-from specserve.spec.choices import DEFAULT_CHOICES
-from specserve.spec.medusa import MedusaHeads, medusa_tree
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.tree import DraftTree
+from specserve.speculative.choices import DEFAULT_CHOICES
+from specserve.speculative.medusa import MedusaHeads, medusa_tree
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.tree import DraftTree
 
 
 @dataclass
