@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels as ck
 from specserve.models import transformer
-from specserve.speculative.proposers import NGramMethod
+from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 
 if not ck.f32_linear_available():

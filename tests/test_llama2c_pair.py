@@ -10,7 +10,8 @@ import torch
 
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
-from specserve.speculative.proposers import DraftModelMethod, NGramMethod
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"

@@ -297,7 +297,7 @@ def test_request_rate_and_default_artifact_dir(server, prompts_file, tmp_path, m
     result = invoke("profile", "-m", "tensorrt_llm", "--input-file", prompts_file, "--url", server.host_port,
                     "--request-rate", 50, "--request-distribution", "poisson", "--request-count", 3,
                     "--output-tokens-mean", 4, "--warmup-request-count", 0, "--tokenizer",
-                    server.repository.models["base"].source.config.model)
+                    server.repository.models["base"].source.config.model.source)
     assert result.exit_code == 0, result.output
     export = tmp_path / "artifacts" / "tensorrt_llm-triton-tensorrtllm-request_rate50" / "profile_export.json"
     doc = read_export(export)

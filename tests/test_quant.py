@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType, quants
 from specserve.engine.engine import Engine
 from specserve.models import quant
 from specserve.models.loader import ModelLoadError, _llama_row_order, load_model
-from specserve.speculative.proposers import DraftModelMethod, NGramMethod
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 
 # fp16 fields (byte offsets) of each block: random bytes elsewhere are valid codes

@@ -16,9 +16,10 @@ import torch
 import specserve.speculative.verify as verify_module
 from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
-from specserve.speculative.proposers import DraftModelMethod
+from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
-from specserve.speculative.verify import verify_sampling
+from specserve.speculative.tree import Chain
+from specserve.speculative.verify import verify
 
 DELTA = 1e-4
 
@@ -49,7 +50,7 @@ def chain_statistics(deterministic: bool, samples: int = 20000):
         draft = [int(t) for t in sample(q, gen)]
         if deterministic:  # an n-gram-like fixed draft: the likeliest tokens, so some get accepted
             draft = p[:k].argmax(-1).tolist()
-        verdict = verify_sampling(draft, None if deterministic else q, p_logits, params, gen)
+        verdict = verify(Chain(0, draft), p_logits, params, gen, None if deterministic else q)
         first[verdict.tokens[0]] += 1
         if verdict.accepted >= 1:
             second[verdict.tokens[1]] += 1

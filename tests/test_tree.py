@@ -10,12 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
-import specserve.speculative.tree as tree_module
+import specserve.speculative.verify as verify_module
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.choices import mc_sim_7b_63
 from specserve.speculative.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
-from specserve.speculative.tree import DraftTree, chain_tree, tree_from_choices, verify_tree_greedy, verify_tree_sampling
+from specserve.speculative.tree import Chain, DraftTree, tree_from_choices
+from specserve.speculative.verify import verify
 from tests.test_sampling_lossless import total_variation, tv_bound
 
 # Deliberately unsorted; sorted by (depth, ranks): [0] [1] [0,0] [0,1] [1,0] [0,0,0] -> nodes 1..6.
@@ -71,6 +72,10 @@ def test_tree_from_choices_errors():
         DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
 
 
+def greedy(tree: DraftTree, logits: torch.Tensor):
+    return verify(tree, logits, SamplingParams(), torch.Generator())
+
+
 def greedy_logits(tree: DraftTree, argmax: dict[int, int], vocab: int = 50) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(len(tree), vocab, generator=gen)
@@ -82,22 +87,22 @@ def greedy_logits(tree: DraftTree, argmax: dict[int, int], vocab: int = 50) -> t
 def test_greedy_accepts_deep_path_with_bonus():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 10, 1: 20, 3: 30, 6: 42})
-    nodes, tokens = verify_tree_greedy(tree, logits)
+    nodes, tokens = greedy(tree, logits)
     assert nodes == [1, 3, 6] and tokens == [10, 20, 30, 42]
 
 
 def test_greedy_takes_second_sibling_and_corrects():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 11, 2: 20, 5: 7})  # [1] -> [1, 0]; then argmax 7 is the bonus
-    assert verify_tree_greedy(tree, logits) == ([2, 5], [11, 20, 7])
+    assert greedy(tree, logits) == ([2, 5], [11, 20, 7])
     logits = greedy_logits(tree, {0: 10, 1: 21, 4: 3})  # second child of node 1, a leaf
-    assert verify_tree_greedy(tree, logits) == ([1, 4], [10, 21, 3])
+    assert greedy(tree, logits) == ([1, 4], [10, 21, 3])
 
 
 def test_greedy_rejects_at_root():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 12})
-    verdict = verify_tree_greedy(tree, logits)
+    verdict = greedy(tree, logits)
     assert verdict.nodes == [] and verdict.tokens == [12] and verdict.accepted == 0
 
 
@@ -105,7 +110,7 @@ def test_greedy_prefers_deepest_among_repeated_siblings():
     tree = DraftTree(torch.tensor([0, 4, 4, 6]), torch.tensor([-1, 0, 0, 2]))
     logits = torch.zeros(4, 10)
     logits[0, 4] = logits[1, 9] = logits[2, 6] = logits[3, 1] = 1.0
-    assert verify_tree_greedy(tree, logits) == ([2, 3], [4, 6, 1])
+    assert greedy(tree, logits) == ([2, 3], [4, 6, 1])
 
 
 # ---- sampling: statistical losslessness ------------------------------------------------------------------
@@ -134,7 +139,7 @@ def sampling_statistics(deterministic: bool, params: SamplingParams, samples: in
             drawn = sample(q_nodes[shape.parents.clamp(min=0)], gen)
             drawn[0] = 0
             tree, q_arg = DraftTree(drawn, shape.parents), q_nodes
-        verdict = verify_tree_sampling(tree, q_arg, logits, params, gen)
+        verdict = verify(tree, logits, params, gen, q_arg)
         first[verdict.tokens[0]] += 1
         if verdict.accepted >= 1:
             second[verdict.tokens[1]] += 1
@@ -156,17 +161,21 @@ def test_tree_sampling_keeps_target_distribution(deterministic, params):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_broken_tree_sampling_fails_the_same_test(deterministic, monkeypatch):
-    monkeypatch.setattr(tree_module, "residual_distribution", lambda p, q: p)  # no subtraction of q
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q: p)  # no subtraction of q
     p, first, _ = sampling_statistics(deterministic, SamplingParams(temperature=1.0))
     n = sum(first.values())
     assert total_variation(first, dict(enumerate(p[0].tolist())), n) > tv_bound(VOCAB, n)
 
 
-def test_chain_tree_matches_chain_verifier_greedy():
-    tree = chain_tree([3, 1, 4, 1])
+def test_a_chain_is_a_one_branch_tree():
+    chain = Chain(3, [1, 4, 1])
+    tree = DraftTree(torch.tensor([3, 1, 4, 1]), torch.arange(-1, 3))
+    for name in ("tokens", "parents", "depth", "mask"):
+        assert torch.equal(getattr(chain, name), getattr(tree, name)), name
+    assert [chain.children(i) for i in range(4)] == [tree.children(i) for i in range(4)]
     logits = torch.zeros(4, 8)
     logits[0, 1] = logits[1, 4] = logits[2, 2] = 1.0
-    assert verify_tree_greedy(tree, logits) == ([1, 2], [1, 4, 2])
+    assert greedy(chain, logits) == greedy(tree, logits) == ([1, 2], [1, 4, 2])  # the fast path agrees
 
 
 # ---- the real model: tree attention and compaction ---------------------------------------------------------

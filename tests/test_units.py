@@ -8,7 +8,7 @@ import torch
 from specserve.bench.offline import load_prompts
 from specserve.config import ConfigError, load_model_yaml
 from specserve.models.kv_cache import KVCache
-from specserve.speculative.proposers import NGramMethod, longest_ngram_continuation
+from specserve.speculative.ngram import NGramMethod, longest_ngram_continuation
 
 
 def test_ngram_prefers_the_longest_match():
@@ -100,17 +100,19 @@ triton_config:
   max_batch_size: 0
   decoupled: False
 """))
-    assert (config.model, config.method, config.max_draft_len) == ("gemma-3-270m", "draft_target", 3)
-    assert config.speculative_model == str(tmp_path / "draft")
+    spec = config.speculative
+    assert (config.model.source, spec.method, spec.max_draft_len) == ("gemma-3-270m", "draft_target", 3)
+    assert spec.model == str(tmp_path / "draft")
     base = load_model_yaml(write(tmp_path / "base.yaml", "model: gemma-3-270m\n"))
-    assert base.method == "ar"
+    assert base.speculative.method == "ar"
     ngram = load_model_yaml(write(tmp_path / "ngram.yaml", "model: m\nspeculative_config:\n"
                                   "  decoding_type: NGram\n  max_draft_len: 5\n  max_matching_ngram_size: 4\n"))
-    assert (ngram.method, ngram.max_draft_len, ngram.prompt_lookup_max) == ("ngram", 5, 4)
+    ngram = ngram.speculative
+    assert (ngram.method, ngram.max_draft_len, ngram.options.prompt_lookup_max) == ("ngram", 5, 4)
     assert ngram.adaptive_draft_len
     fixed = load_model_yaml(write(tmp_path / "fixed.yaml", "model: m\nspeculative_config:\n"
                                   "  decoding_type: NGram\n  adaptive_draft_len: false\n"))
-    assert not fixed.adaptive_draft_len
+    assert not fixed.speculative.adaptive_draft_len
 
 
 @pytest.mark.parametrize("text,needle", [

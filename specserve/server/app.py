@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specserve.config import ConfigError, DeploymentConfig, load_model_yaml
-from specserve.models.loader import DEFAULT_MODEL
+from specserve.config import ConfigError, DeploymentConfig, ServingConfig, SpeculativeConfig, load_model_yaml
+from specserve.speculative.registry import DEFAULT_METHOD
 from specserve.server import openai_api, triton
 from specserve.server.http import ServerContext, json_response
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -33,8 +33,9 @@ log = logging.getLogger("specserve.server")
 
 
 def default_config() -> DeploymentConfig:
-    """`specserve serve` with no model: the embedded default with n-gram speculation, streaming allowed."""
-    return DeploymentConfig(model=DEFAULT_MODEL, method="ngram", max_draft_len=4, decoupled=True, max_batch_size=0)
+    """`specserve serve` with no model: the embedded default with the default method, streaming allowed."""
+    return DeploymentConfig(serving=ServingConfig(max_batch_size=0, decoupled=True),
+                            speculative=SpeculativeConfig(DEFAULT_METHOD, max_draft_len=4))
 
 
 def build_repository(model_repository: str | Path | None = None, model: str | None = None,
@@ -57,8 +58,8 @@ def build_repository(model_repository: str | Path | None = None, model: str | No
         name = _triton_layout_name(Path(model))
     else:
         config = default_config()
-        config.model = model
-    sources = single_model_sources(config, kind=kind, name=name or default_name(config.model),
+        config.model.source = model
+    sources = single_model_sources(config, kind=kind, name=name or default_name(config.model.source),
                                    max_queue_size=max_queue_size)
     return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size)
 

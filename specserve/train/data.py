@@ -23,7 +23,7 @@ from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.speculative.eagle import default_aux_layer_ids
-from specserve.speculative.proposers import NGramMethod
+from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 
 MANIFEST = "data.json"
