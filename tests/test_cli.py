@@ -60,7 +60,7 @@ def test_bench_writes_the_contract(checkpoint, tmp_path):
 
 
 def test_bench_and_generate_eagle_with_the_lookup_branch(loaded, checkpoint, tmp_path):
-    from tests.test_eagle import save_random
+    from tests.speculative.test_eagle import save_random
     head = save_random(loaded("llama"), "eagle3", tmp_path / "head")
     data = tmp_path / "q.jsonl"
     data.write_text('{"text": "def add(a, b):\\n    return add(a, b)\\ndef add("}\n')

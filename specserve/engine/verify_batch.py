@@ -39,7 +39,7 @@ class VerifyBatch:
             if tree is None or tree.is_chain:
                 continue
             root = len(feeds[row]) - len(tree)
-            positions[row, root: root + len(tree)] = slots[row, root] + tree.depth
+            positions[row, root: root + len(tree)] = tree.positions(slots[row, root])
             if tree_mask is None:
                 tree_mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(feeds), 1, 1)
             tree_mask[row, root: root + len(tree), root: root + len(tree)] = tree.mask

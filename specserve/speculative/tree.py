@@ -65,22 +65,6 @@ class DraftTree:
         """Rope positions [N] when the root sits at position `base`."""
         return base + self.depth
 
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root to `node`, both included."""
-        path = [node]
-        while path[-1] != 0:
-            path.append(int(self.parents[path[-1]]))
-        return path[::-1]
-
-    @property
-    def leaves(self) -> list[int]:
-        return [i for i in range(len(self)) if not self.children(i)]
-
-    @property
-    def paths(self) -> list[list[int]]:
-        """Root-to-leaf node index lists, leaves in index order."""
-        return [self.path_to(leaf) for leaf in self.leaves]
-
 
 class Chain(DraftTree):
     """The root, then one child per depth: node i + 1 holds draft[i]."""
@@ -116,9 +100,6 @@ class Chain(DraftTree):
 
     def children(self, node: int) -> list[int]:
         return [node + 1] if node < len(self.draft) else []
-
-    def path_to(self, node: int) -> list[int]:
-        return list(range(node + 1))
 
 
 def tree_from_choices(choices: Sequence[Sequence[int]], candidates: Sequence[Sequence[int]],

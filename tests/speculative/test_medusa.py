@@ -12,8 +12,8 @@ from specserve.engine.engine import Engine
 from specserve.speculative.medusa import MedusaHeads
 from specserve.speculative.medusa_draft import MedusaMethod
 from specserve.speculative.sampling import SamplingParams
-from tests.test_batching import run_batched
-from tests.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
+from tests.engine.test_batching import run_batched
+from tests.speculative.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2], [0, 0, 0, 0]]

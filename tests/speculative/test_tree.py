@@ -17,11 +17,19 @@ from specserve.speculative.medusa import MedusaHeads, load_medusa, medusa_candid
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
 from specserve.speculative.tree import Chain, DraftTree, tree_from_choices
 from specserve.speculative.verify import verify
-from tests.test_sampling_lossless import total_variation, tv_bound
+from tests.speculative.test_sampling_lossless import total_variation, tv_bound
 
 # Deliberately unsorted; sorted by (depth, ranks): [0] [1] [0,0] [0,1] [1,0] [0,0,0] -> nodes 1..6.
 SMALL_CHOICES = [[1], [0, 0], [0], [0, 1], [0, 0, 0], [1, 0]]
 SMALL_CANDIDATES = [[10, 11], [20, 21], [30]]
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root to `node`, both included."""
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
 
 
 def small_tree(root: int = 5) -> DraftTree:
@@ -34,7 +42,8 @@ def test_tree_from_choices_by_hand():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103]
-    assert tree.paths == [[0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    assert [path_to(tree, leaf) for leaf in (4, 5, 6)] == [[0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    assert [n for n in range(len(tree)) if not tree.children(n)] == [4, 5, 6]
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
@@ -58,7 +67,7 @@ def test_default_medusa_tree_shape():
     ordered = sorted(mc_sim_7b_63, key=lambda c: (len(c), c))
     for i, choice in enumerate(ordered, start=1):
         assert int(tree.tokens[i]) == candidates[len(choice) - 1][choice[-1]]
-        assert tree.path_to(i)[1:] == [ordered.index(choice[:k]) + 1 for k in range(1, len(choice) + 1)]
+        assert path_to(tree, i)[1:] == [ordered.index(choice[:k]) + 1 for k in range(1, len(choice) + 1)]
 
 
 def test_tree_from_choices_errors():
@@ -208,7 +217,7 @@ def test_tree_forward_equals_chain_forward_and_compaction(loaded, family):
     tree_logits = tree_forward()
     assert int(cache.lengths[0]) == base  # the forward never commits
     for node in range(n):
-        path = tree.path_to(node)
+        path = path_to(tree, node)
         pos = torch.arange(base, base + len(path))[None]
         chain = model(tree.tokens[path][None], pos, cache, pos).logits[0, -1]
         torch.testing.assert_close(tree_logits[node], chain)
@@ -221,7 +230,7 @@ def test_tree_forward_equals_chain_forward_and_compaction(loaded, family):
 
     # accept root -> node 2 -> node 5 (slots base+0, base+2, base+5), compact, then one plain step
     tree_forward()
-    accepted = tree.path_to(5)
+    accepted = path_to(tree, 5)
     cache.compact(0, base + torch.tensor(accepted), base)
     cache.lengths[0] = base + len(accepted)
     next_token = 42

@@ -24,8 +24,8 @@ from specserve.speculative.tree_budget import TreeBudget
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
-from tests.test_batching import run_batched
-from tests.test_sampling_lossless import broken_residual, exact_joint, total_variation, tv_bound
+from tests.engine.test_batching import run_batched
+from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, total_variation, tv_bound
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]

@@ -121,7 +121,7 @@ def test_convert_dataset_semantics(tmp_path):
 
 
 def test_convert_the_humaneval_file(tmp_path):
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval_question.jsonl"
+    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval_question.jsonl"
     if not data.exists():
         pytest.skip("shared/data is not beside the checkout")
     count = convert_dataset(data, tmp_path / "converted.jsonl")
