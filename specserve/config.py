@@ -77,8 +77,10 @@ class SpeculativeConfig:
         return replace(self, method=entry.name if entry else registry.PLAIN, settings={**self.settings, **implied})
 
     def check(self) -> None:
+        """ConfigError for a bad draft length or a bad value of a key the method reads."""
         int_at_least(self.max_draft_len, "max_draft_len")
-        self.options  # noqa: B018 - parsing checks every key the method reads
+        if self.entry is not None:
+            self.entry.parse(self)
 
 
 @dataclass

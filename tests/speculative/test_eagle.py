@@ -25,7 +25,7 @@ from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
 from tests.engine.test_batching import run_batched
-from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, total_variation, tv_bound
+from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -357,15 +357,13 @@ def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "tree+lookup"])
 def test_sampling_keeps_target_distribution(stories, lookup):
     counts, expected = eagle_statistics(stories, lookup=lookup)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)
 
 
 def test_broken_sibling_resampling_is_caught(stories, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
     counts, expected = eagle_statistics(stories)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) > tv_bound(len(expected), n)
+    assert not follows(counts, expected)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------
@@ -403,7 +401,7 @@ def test_eagle3_from_model_yaml_through_the_cli(loaded, checkpoint, tmp_path):
 
     from specserve.cli import app
     target = loaded("qwen3")
-    head = save_random(target, "eagle3", tmp_path / "head")
+    save_random(target, "eagle3", tmp_path / "head")  # the model.yaml names it ./head
     yaml_file = tmp_path / "model.yaml"
     yaml_file.write_text(f"model: {checkpoint('qwen3')}\ndtype: float32\nspeculative_config:\n"
                          f"  decoding_type: Eagle3\n  max_draft_len: 3\n  speculative_model: ./head\n"

@@ -13,7 +13,7 @@ from specserve.speculative.medusa import MedusaHeads
 from specserve.speculative.medusa_draft import MedusaMethod
 from specserve.speculative.sampling import SamplingParams
 from tests.engine.test_batching import run_batched
-from tests.speculative.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
+from tests.speculative.test_sampling_lossless import follows, sample_three_tokens
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2], [0, 0, 0, 0]]
@@ -60,8 +60,7 @@ def medusa_statistics(loaded):
 
 def test_medusa_sampling_keeps_target_distribution(loaded):
     counts, expected = medusa_statistics(loaded)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)
 
 
 
