@@ -77,8 +77,8 @@ def generate(
     method: Optional[str] = typer.Option(None, help=METHOD_HELP),
     draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     max_draft_len: Optional[int] = typer.Option(None, help="Draft tokens per step (default 4; trees: depth)."),
-    prompt_lookup_min: Optional[int] = typer.Option(None, help="ngram: smallest n-gram to match."),
-    prompt_lookup_max: Optional[int] = typer.Option(None, help="ngram: largest n-gram to match."),
+    prompt_lookup_min: Optional[int] = typer.Option(None, help="Prompt lookup: smallest n-gram to match."),
+    prompt_lookup_max: Optional[int] = typer.Option(None, help="Prompt lookup: largest n-gram to match."),
     max_tokens: int = typer.Option(128, help="Maximum tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0),
@@ -99,7 +99,7 @@ def generate(
         params.validate()
         engine = build_engine(config)
         if not engine.lossless and not params.greedy:
-            typer.echo("warning: Medusa typical acceptance is on: sampled output does not follow the target's "
+            typer.echo("warning: typical acceptance is on: sampled output does not follow the target's "
                        "distribution exactly (not lossless)", err=True)
         if json_output:
             result = engine.generate(prompt, params)
@@ -139,7 +139,7 @@ def bench(
                                     help="Also time one target forward of 1..64 tokens (the price of verifying)."),
     tree_costs: bool = typer.Option(False, "--tree-costs",
                                     help="Also time a decoding step with EAGLE trees of 1..64 nodes (drafting + "
-                                         "verification) for each eagle method run, next to a plain step."),
+                                         "verification) for each method run that sizes its trees, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
     from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
