@@ -10,11 +10,11 @@ from typing import Optional
 
 import typer
 
-from specserve.config import (ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_label,
-                              method_variant)
+from specserve.config import ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml
 from specserve.engine.engine import RequestError
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative import registry
+from specserve.speculative.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
@@ -45,31 +45,29 @@ def deployment_config(model: str | None, method: str | None, draft_model: str | 
     if model and model.endswith((".yaml", ".yml")):
         config = load_model_yaml(Path(model))
     else:
-        config = DeploymentConfig(model=model or DEFAULT_MODEL)
+        config = DeploymentConfig(ModelConfig(model or DEFAULT_MODEL))
+    spec = config.speculative
     if method:
-        config.method, config.prompt_lookup_branch = method_variant(method)
-    overrides = {"speculative_model": draft_model,
-                 "max_draft_len": max_draft_len, "prompt_lookup_min": prompt_lookup_min,
-                 "prompt_lookup_max": prompt_lookup_max, "dtype": dtype, "quantization": quantization}
-    for key, value in overrides.items():
+        spec = config.speculative = spec.with_method(method)
+    for key, value in {"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max}.items():
         if value is not None:
-            setattr(config, key, value)
-    if config.max_draft_len < 1:
-        raise ConfigError(f"max_draft_len must be >= 1, got {config.max_draft_len}")
+            spec.settings[key] = value
+    spec.model = draft_model or spec.model
+    spec.max_draft_len = max_draft_len if max_draft_len is not None else spec.max_draft_len
+    config.model.dtype = dtype or config.model.dtype
+    config.model.quantization = quantization or config.model.quantization
+    spec.check()
     return config
 
 
-def canonical_method(name: str) -> str:
-    """A method name as given -> its canonical spelling (Eagle3+prompt_lookup -> eagle3+ngram)."""
-    return method_label(*method_variant(name))
-
-
 MODEL_HELP = f"{DEFAULT_MODEL} (embedded default), a checkpoint directory, a .gguf file or a model.yaml"
-METHOD_HELP = ("ar (plain decoding), ngram, draft_target, medusa, eagle, eagle2 or eagle3 (an EAGLE method with "
-               "'+ngram', e.g. eagle3+ngram, merges prompt lookup into its trees); default: the model.yaml's, else ar")
+METHOD_HELP = f"{registry.method_help()}; default: the model.yaml's, else {registry.PLAIN}"
 QUANT_HELP = ("Weight storage: gguf (a GGUF's own quantized blocks; the default for GGUF models), none (dequantized "
               "to --dtype), int8 or int4 (weight-only, per block of 32, any checkpoint).")
-DRAFT_HELP = "Draft model (draft_target) or head directory (medusa, eagle, eagle2, eagle3)."
+DRAFT_HELP = registry.model_help()
+BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
+                      "(with llama-cpp-python installed: pip install 'specserve[llamacpp]'); "
+                      f"{registry.combination_hint()}.")
 
 
 @app.command()
@@ -79,8 +77,8 @@ def generate(
     method: Optional[str] = typer.Option(None, help=METHOD_HELP),
     draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     max_draft_len: Optional[int] = typer.Option(None, help="Draft tokens per step (default 4; trees: depth)."),
-    prompt_lookup_min: Optional[int] = typer.Option(None, help="ngram: smallest n-gram to match."),
-    prompt_lookup_max: Optional[int] = typer.Option(None, help="ngram: largest n-gram to match."),
+    prompt_lookup_min: Optional[int] = typer.Option(None, help="Prompt lookup: smallest n-gram to match."),
+    prompt_lookup_max: Optional[int] = typer.Option(None, help="Prompt lookup: largest n-gram to match."),
     max_tokens: int = typer.Option(128, help="Maximum tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     top_p: float = typer.Option(1.0),
@@ -101,7 +99,7 @@ def generate(
         params.validate()
         engine = build_engine(config)
         if not engine.lossless and not params.greedy:
-            typer.echo("warning: Medusa typical acceptance is on: sampled output does not follow the target's "
+            typer.echo("warning: typical acceptance is on: sampled output does not follow the target's "
                        "distribution exactly (not lossless)", err=True)
         if json_output:
             result = engine.generate(prompt, params)
@@ -124,11 +122,7 @@ def generate(
 @app.command()
 def bench(
     dataset: Path = typer.Option(..., help="question.jsonl (EAGLE/MT-bench) or genai-perf JSONL with 'text'."),
-    methods: str = typer.Option("ar,ngram,hf,hf-pld",
-                                help="Comma-separated: ar, ngram, draft_target, medusa, eagle, eagle2, eagle3, hf, "
-                                     "hf-pld, llamacpp, llamacpp-pld (with llama-cpp-python installed: "
-                                     "pip install 'specserve[llamacpp]'); an EAGLE method with '+ngram' "
-                                     "(eagle3+ngram) merges prompt lookup into its trees."),
+    methods: str = typer.Option(f"{registry.PLAIN},{registry.DEFAULT_METHOD},hf,hf-pld", help=BENCH_METHODS_HELP),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
@@ -145,7 +139,7 @@ def bench(
                                     help="Also time one target forward of 1..64 tokens (the price of verifying)."),
     tree_costs: bool = typer.Option(False, "--tree-costs",
                                     help="Also time a decoding step with EAGLE trees of 1..64 nodes (drafting + "
-                                         "verification) for each eagle method run, next to a plain step."),
+                                         "verification) for each method run that sizes its trees, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
     from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
@@ -153,10 +147,9 @@ def bench(
     check_output_file(json_file)
     try:
         names = [m.strip() for m in methods.split(",") if m.strip()]
-        names = [m if m in PEER_METHODS else canonical_method(m) for m in names]
-        if "ar" not in names:
-            names.insert(0, "ar")  # every ratio is against plain decoding
-        names = ["ar"] + [m for m in dict.fromkeys(names) if m != "ar"]
+        names = [m if m in PEER_METHODS else registry.label(m) for m in names]
+        plain = registry.PLAIN  # every ratio is against plain decoding
+        names = [plain] + [m for m in dict.fromkeys(names) if m != plain]
         config = deployment_config(model, None, draft_model, max_draft_len, prompt_lookup_min, prompt_lookup_max,
                                    dtype, quantization)
         heads = {}
@@ -164,9 +157,9 @@ def bench(
             name, sep, directory = item.partition("=")
             if not sep or not name.strip() or not directory.strip():
                 fail(f"--head takes METHOD=DIR, got {item!r}")
-            heads[canonical_method(name)] = directory.strip()
+            heads[registry.label(name)] = directory.strip()
         prompts = load_prompts(dataset, num_prompts)
-        target = load_model(config.model, dtype=config.dtype, quantization=config.quantization)
+        target = config.model.load()
         results = run_bench(config, target, prompts, names, max_tokens, heads)
     except USER_ERRORS as exc:
         fail(str(exc))
@@ -183,15 +176,15 @@ def bench(
     trees = {}
     if tree_costs:
         from specserve.bench.offline import tree_step_costs
-        for name in (n for n in names if n in ("eagle", "eagle2", "eagle3")):  # trees alone, no lookup branch
-            trees[name] = tree_step_costs(config, target, name, heads.get(name, config.speculative_model),
+        for name in (n for n in names if n in registry.sized_tree_methods()):  # trees alone, no lookup branch
+            trees[name] = tree_step_costs(config, target, name, heads.get(name, config.speculative.model),
                                           prompts[0])
             typer.echo(f"{name} step ms by tree nodes: " + ", ".join(f"{n}: {ms}" for n, ms in trees[name].items()))
     if json_file:
         report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
                   "quantization": target.model.quantization,
                   "dataset": str(dataset), "num_prompts": len(prompts), "max_tokens": max_tokens,
-                  "max_draft_len": config.max_draft_len, "methods": results}
+                  "max_draft_len": config.speculative.max_draft_len, "methods": results}
         if costs:
             report["forward_ms_by_tokens"] = costs
             report["roofline"] = floor
@@ -276,7 +269,7 @@ def convert_dataset_command(
 
 @app.command("train")
 def train_command(
-    kind: str = typer.Argument(..., help="eagle3, eagle, medusa or draft."),
+    kind: str = typer.Argument(..., help=" or ".join(registry.train_kinds()) + "."),
     target: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP.removesuffix(" or a model.yaml")),
     prompts: Optional[Path] = typer.Option(None, help="Training prompts (JSONL with text or turns, or .txt "
                                                        "paragraphs); default: specserve's built-in set."),
@@ -307,8 +300,8 @@ def train_command(
     from specserve.train.prompt_set import build_prompt_set
     from specserve.train.run import run_training
 
-    if kind not in ("eagle3", "eagle", "medusa", "draft"):
-        fail(f"unknown head kind {kind!r}; choose eagle3, eagle, medusa or draft")
+    if kind not in registry.train_kinds():
+        fail(f"unknown head kind {kind!r}; choose {', '.join(registry.train_kinds())}")
     try:
         train_prompts = read_prompt_file(prompts) if prompts else build_prompt_set()
         held_out = read_prompt_file(eval_prompts) if eval_prompts else None
@@ -463,10 +456,9 @@ def profile_compare(
 
 def measure_step_costs(target) -> dict[int, float]:
     """Milliseconds of one target forward of n new tokens (all with logits) in one row, empty context."""
-    from specserve.engine.batch import StepCosts
-    from specserve.engine.engine import Engine
+    from specserve.engine.step_costs import StepCosts
 
-    costs = StepCosts(Engine(target), rows=1)
+    costs = StepCosts(target.model, rows=1)
     return {size: round(seconds * 1e3, 2) for size, seconds in zip(costs.sizes, costs.seconds)}
 
 

@@ -60,7 +60,7 @@ def test_bench_writes_the_contract(checkpoint, tmp_path):
 
 
 def test_bench_and_generate_eagle_with_the_lookup_branch(loaded, checkpoint, tmp_path):
-    from tests.test_eagle import save_random
+    from tests.speculative.test_eagle import save_random
     head = save_random(loaded("llama"), "eagle3", tmp_path / "head")
     data = tmp_path / "q.jsonl"
     data.write_text('{"text": "def add(a, b):\\n    return add(a, b)\\ndef add("}\n')
@@ -142,12 +142,12 @@ def test_bench_refuses_an_unwritable_result_file_before_running(tmp_path):
 def test_bench_llamacpp_methods_say_what_they_need(checkpoint):
     """llama.cpp peers need llama-cpp-python and a GGUF file: a tiny HF checkpoint gets a clear error, not a crash."""
     from specserve.bench.offline import run_bench
-    from specserve.config import ConfigError, DeploymentConfig
+    from specserve.config import ConfigError, DeploymentConfig, ModelConfig
     from specserve.models.loader import load_model
 
     target = load_model(checkpoint("llama"), dtype=torch.float32)
     with pytest.raises(ConfigError, match="llama-cpp-python|GGUF models only"):
-        run_bench(DeploymentConfig(model=checkpoint("llama")), target, ["def f():"], ["ar", "llamacpp"], 4)
+        run_bench(DeploymentConfig(ModelConfig(checkpoint("llama"))), target, ["def f():"], ["ar", "llamacpp"], 4)
 
 
 def test_roofline_counts_the_weights_a_step_reads(checkpoint):

@@ -12,16 +12,17 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from specserve.bench.jsonl import read_jsonl
-from specserve.config import ConfigError, DeploymentConfig, build_engine, method_variant
+from specserve.config import ConfigError, DeploymentConfig, build_engine
 from specserve.models.loader import LoadedModel, resolve_model_source
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.registry import PLAIN
+from specserve.speculative.sampling import SamplingParams
 
 HF_METHODS = ("hf", "hf-pld")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
@@ -172,26 +173,25 @@ def format_table(results: dict[str, dict]) -> str:
 
 def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], methods: list[str],
               max_tokens: int, heads: dict[str, str] | None = None) -> dict:
-    """`heads`: method -> its head directory (or draft model), else that of the method without '+ngram', else
-    `base.speculative_model`."""
+    """`heads`: method -> its head directory (or draft model), else that of the method without its '+' suffix,
+    else `base.speculative.model`."""
     runs: dict[str, MethodRun] = {}
     heads = heads or {}
     for name in methods:
+        draft_len = base.speculative.max_draft_len
         if name in HF_METHODS:
-            runs[name] = run_hf_method(target, prompts, max_tokens, name, base.max_draft_len)
+            runs[name] = run_hf_method(target, prompts, max_tokens, name, draft_len)
             continue
         if name in LLAMACPP_METHODS:
-            runs[name] = run_llamacpp_method(target, resolve_model_source(base.model).gguf, prompts, max_tokens,
-                                             name, base.max_draft_len)
+            runs[name] = run_llamacpp_method(target, resolve_model_source(base.model.source).gguf, prompts,
+                                             max_tokens, name, draft_len)
             continue
-        method, lookup = method_variant(name)
-        model = heads.get(name, heads.get(method, base.speculative_model))
-        config = DeploymentConfig(**{**base.__dict__, "method": method, "prompt_lookup_branch": lookup,
-                                     "speculative_model": model})
-        engine = build_engine(config, target)
+        spec = base.speculative.with_method(name)
+        spec.model = heads.get(name, heads.get(spec.method, base.speculative.model))
+        engine = build_engine(replace(base, speculative=spec), target)
         runs[name] = run_engine_method(engine, prompts, max_tokens, name)
-    ar = runs.get("ar")
-    return {name: run.summary(ar if name != "ar" else None) | ({"speedup_vs_ar": 1.0} if name == "ar" else {})
+    ar = runs.get(PLAIN)
+    return {name: run.summary(ar if name != PLAIN else None) | ({"speedup_vs_ar": 1.0} if name == PLAIN else {})
             for name, run in runs.items()}
 
 
@@ -250,10 +250,10 @@ def tree_step_costs(base: DeploymentConfig, target: LoadedModel, method: str, he
         m = engine.generate(prompt, params).metrics
         return round(1e3 * (m.total_time_s - m.time_to_first_token_s) / max(m.target_forwards - 1, 1), 2)
 
-    costs = {"plain": per_step(DeploymentConfig(**{**base.__dict__, "method": "ar"}))}
+    costs = {"plain": per_step(replace(base, speculative=base.speculative.with_method(PLAIN)))}
+    tree = base.speculative.with_method(method)
     for size in TREE_SIZES:
-        config = DeploymentConfig(**{**base.__dict__, "method": method, "speculative_model": head,
-                                     "adaptive_draft_len": False, "total_tokens": size,
-                                     "top_k": min(size, 8), "max_draft_len": max(1, min(6, size))})
-        costs[size] = per_step(config)
+        spec = replace(tree, model=head, adaptive_draft_len=False, max_draft_len=max(1, min(6, size)),
+                       settings={**tree.settings, "max_total_draft_tokens": size, "top_k": min(size, 8)})
+        costs[size] = per_step(replace(base, speculative=spec))
     return costs

@@ -14,15 +14,13 @@ The KV cache holds only the running rows, sized to their longest (`KVCache.fit`)
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
-import torch
-
 from specserve.engine.engine import Engine, Sequence, StreamEvent
+from specserve.engine.step_costs import StepCosts
 from specserve.models.kv_cache import KVCache
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 
 @dataclass
@@ -30,46 +28,6 @@ class BatchStats:
     steps: int = 0
     last_batch_size: int = 0
     last_draft_len: int = 0
-
-
-class StepCosts:
-    """Seconds per target forward by total tokens in it, measured once (interpolated in between)."""
-
-    SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-    def __init__(self, engine: Engine | None, rows: int, seconds: list[float] | None = None):
-        self.sizes = list(self.SIZES)
-        if seconds is not None:  # measured earlier (a cached table)
-            self.seconds = list(seconds)
-            return
-        # rounds over all sizes, least disturbed reading per size: a burst of load hits one round, not one size
-        rounds = [[self._measure(engine, s, rows) for s in self.sizes] for _ in range(3)]
-        measured = [min(readings) for readings in zip(*rounds)]
-        # a smaller forward never costs more: a bigger reading is noise (another process took the CPU; noise only
-        # adds time), so it is clipped to the sizes above, rather than raising them all (which made drafting
-        # look far dearer than it is and stopped it at concurrency 1)
-        self.seconds = [min(measured[i:]) for i in range(len(measured))]
-
-    @staticmethod
-    def _measure(engine: Engine, total: int, rows: int) -> float:
-        batch = min(rows, total)
-        width = -(-total // batch)
-        cache = KVCache.for_model(engine.model, batch, width + 1)
-        positions = torch.arange(width)[None].expand(batch, width)
-        tokens = torch.zeros(batch, width, dtype=torch.long)
-        engine.model(tokens, positions, cache, positions)
-        timings = []
-        for _ in range(3):
-            start = time.perf_counter()
-            engine.model(tokens, positions, cache, positions)
-            timings.append(time.perf_counter() - start)
-        return min(timings)  # the least disturbed run
-
-    def __call__(self, total: int) -> float:
-        for (s0, c0), (s1, c1) in zip(zip(self.sizes, self.seconds), zip(self.sizes[1:], self.seconds[1:])):
-            if total <= s1:
-                return c0 + (c1 - c0) * max(total - s0, 0) / (s1 - s0)
-        return self.seconds[-1] * total / self.sizes[-1]
 
 
 def expected_tokens(acceptance: float, draft_len: int) -> float:
@@ -116,7 +74,7 @@ class BatchEngine:
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
         self.acceptance: dict[Sequence, Acceptance] = {}
         self.waiting: deque[Sequence] = deque()
-        self.costs = StepCosts(engine, self.max_batch_size) if adaptive_draft and engine.max_draft_len else None
+        self.costs = StepCosts(engine.model, self.max_batch_size) if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
 
     @property
@@ -147,13 +105,9 @@ class BatchEngine:
         if not self.rows:
             return []
         draft_len = self.choose_draft_len(self.rows)
-        failed = []
-        for seq in list(self.rows):
-            try:
-                seq.draft(draft_len)
-            except Exception as exc:  # noqa: BLE001 - one request's proposer failed: only that request ends
-                failed.append((seq, exc))
-                self._remove(seq)
+        failed = self.engine.draft(self.rows, draft_len)  # a failed proposer ends its request alone
+        for seq, _ in failed:
+            self._remove(seq)
         if not self.rows:
             return failed
         seqs = list(self.rows)
@@ -171,7 +125,6 @@ class BatchEngine:
         row = len(self.rows)
         self.rows.append(seq)
         self.acceptance[seq] = Acceptance()
-        seq.draft(0)
         self._fit_cache()
         self.cache.lengths[row] = 0
         return self._collect([seq], self.engine.forward(self.cache.view(row, 1), [seq]))

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.request import GenerationResult, RequestMetrics
+from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.spec.proposers import Proposal, SpecMethod
-from specserve.spec.sampling import SamplingParams
-from specserve.spec.tree import verify_tree
-from specserve.spec.verify import verify
+from specserve.speculative.base import Proposal, SpecMethod
+from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.verify import verify
 
 
 class RequestError(ValueError):
@@ -104,7 +104,7 @@ class Engine:
     @property
     def lossless(self) -> bool:
         """False only with Medusa's opt-in typical acceptance (sampling no longer follows the target exactly)."""
-        return self.method is None or self.method.typical is None
+        return self.method is None or self.method.lossless
 
     @property
     def method_name(self) -> str:
@@ -145,9 +145,7 @@ class Engine:
         capacity = capacity or self.capacity_for(prompt_ids, params)
         generator = params.make_generator()
         proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
-        seq = Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids))
-        seq.typical = self.method.typical if proposer is not None else None
-        return seq
+        return Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids))
 
     def capacity_for(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
@@ -158,47 +156,45 @@ class Engine:
         seq = self.new_sequence(prompt_ids, params)
         cache = KVCache.for_model(self.model, 1, self.capacity_for(prompt_ids, params))
         while not seq.finished:
-            seq.draft(self.max_draft_len)
+            failed = self.draft([seq], self.max_draft_len)
+            if failed:
+                raise failed[0][1]
             event = self.forward(cache, [seq])[0]
             if event is not None:
                 yield event
 
-    def forward(self, cache: KVCache, seqs: list["Sequence | None"]) -> list[StreamEvent | None]:
+    def draft(self, seqs: list[Sequence], max_len: int) -> list[tuple[Sequence, Exception]]:
+        """Each sequence's next proposal, drafted by the method for the whole batch at once; returns the sequences
+        whose proposer failed (their requests end, the others go on)."""
+        drafting = [seq for seq in seqs if seq.draft_room(max_len) > 0]
+        for seq in seqs:
+            seq.proposal = Proposal.chain(seq.pending[0], [])
+        failed = []
+        for seq, proposal in zip(drafting, self.method.propose_batch(drafting, max_len) if drafting else []):
+            if isinstance(proposal, Exception):
+                failed.append((seq, proposal))
+            else:
+                seq.proposal = proposal
+        return failed
+
+    def forward(self, cache: KVCache, seqs: list[Sequence | None]) -> list[StreamEvent | None]:
         """One target forward for rows 0..len(seqs)-1 of `cache` (None: an idle row, fed a dummy token): each
         sequence's uncached tokens + its draft; then verification and commit. Returns each row's event."""
-        feeds, starts, num_rows = [], [], []
-        for row, seq in enumerate(seqs):
-            start = int(cache.lengths[row])
-            feeds.append(seq.feed(start) if seq else [0])
-            starts.append(start)
-            num_rows.append(len(seq.proposal.tokens) + 1 if seq else 1)
-        width, rows_out = max(map(len, feeds)), max(num_rows)
-        tokens = torch.tensor([feed + [0] * (width - len(feed)) for feed in feeds])
-        slots = torch.tensor(starts)[:, None] + torch.arange(width)[None]
-        positions, tree_mask = slots.clone(), None
-        for row, seq in enumerate(seqs):
-            tree = seq.proposal.tree if seq else None
-            if tree is not None:  # the tree's nodes sit at consecutive slots from its root, at depth positions
-                root = len(feeds[row]) - len(tree)
-                positions[row, root: root + len(tree)] = slots[row, root] + tree.depth
-                if tree_mask is None:
-                    tree_mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(seqs), 1, 1)
-                tree_mask[row, root: root + len(tree), root: root + len(tree)] = tree.mask
-        logits_rows = torch.tensor([[max(len(f) - n + i, 0) for i in range(rows_out)]
-                                    for f, n in zip(feeds, num_rows)]).clamp(max=width - 1)
-        out = self.model(tokens, positions, cache, slots, tree_mask=tree_mask, logits_rows=logits_rows,
-                         output_layers=self.hidden_layers)
+        batch = VerifyBatch.build(cache, [seq.feed(int(cache.lengths[row])) if seq else [0]
+                                          for row, seq in enumerate(seqs)],
+                                  [seq.proposal.tree if seq else None for seq in seqs])
+        out = self.model(batch.tokens, batch.positions, cache, batch.slots, tree_mask=batch.tree_mask,
+                         logits_rows=batch.logits_rows, output_layers=self.hidden_layers)
         events = []
         for row, seq in enumerate(seqs):
             if seq is None:
                 events.append(None)
                 continue
-            root = len(feeds[row]) - num_rows[row]
             hidden = None
             if self.needs_hidden:  # the features of every fed row (uncached tokens, root, tree nodes)
-                hidden = torch.cat([out.hidden_states[i][row, : len(feeds[row])] for i in self.hidden_layers], -1)
-            nodes, event = seq.commit(out.logits[row, : num_rows[row]], hidden)
-            base = starts[row] + root  # the root's slot: the accepted nodes move right after it
+                hidden = torch.cat([out.hidden_states[i][row, : batch.fed[row]] for i in self.hidden_layers], -1)
+            nodes, event = seq.commit(out.logits[row, : batch.verified[row]], hidden)
+            base = batch.starts[row] + batch.root(row)  # the root's slot: the accepted nodes move right after it
             cache.compact(row, base + torch.tensor([0] + nodes), base)
             cache.lengths[row] = base + 1 + len(nodes)
             events.append(event)
@@ -218,8 +214,7 @@ class Sequence:
         self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
         self.tokens = prompt_ids[:-1]  # committed; their keys/values are (or will be) in the cache
         self.pending = [prompt_ids[-1]]  # emitted but not yet fed to the target
-        self.proposal = Proposal([])
-        self.typical = None  # Medusa typical acceptance (threshold, alpha), when opted in
+        self.proposal = Proposal.chain(self.pending[0], [])
         self.start = time.perf_counter()
         self.sent_text = self.sent_tokens = 0
 
@@ -231,14 +226,17 @@ class Sequence:
     def prefilled(self) -> bool:
         return self.metrics.target_forwards > 0
 
-    def draft(self, max_len: int) -> None:
-        """Propose the next draft. The prefill runs alone, exactly as in plain decoding."""
-        remaining = self.params.max_tokens - len(self.stops.output)
-        max_len = min(max_len, remaining - 1)
-        if self.proposer is None or not self.prefilled or max_len <= 0:
-            self.proposal = Proposal([])
-        else:
-            self.proposal = self.proposer.propose(self.tokens + self.pending, max_len)
+    @property
+    def context(self) -> list[int]:
+        """Prompt and generated tokens; the last one is the pending root of the next draft."""
+        return self.tokens + self.pending
+
+    def draft_room(self, max_len: int) -> int:
+        """Draft tokens this request may take now: none before its prefill (which runs alone, exactly as in plain
+        decoding), and none that would pass max_tokens."""
+        if self.proposer is None or not self.prefilled:
+            return 0
+        return max(min(max_len, self.params.max_tokens - len(self.stops.output) - 1), 0)
 
     def feed(self, cached: int) -> list[int]:
         """The tokens the next forward must run: those not yet in the cache, then the draft."""
@@ -248,16 +246,12 @@ class Sequence:
         """Verify the draft against the target's logits [k+1, V] (one row per draft node, root first); returns
         (accepted draft nodes, event or None). `hidden` [fed, F]: the target's features at every fed row (the
         uncached tokens, the root, then one row per draft node)."""
-        draft, tree = self.proposal.tokens, self.proposal.tree
-        if tree is None:
-            verdict = verify(draft, self.proposal.probs, logits, self.params, self.generator)
-            nodes, emitted = list(range(1, verdict.accepted + 1)), verdict.tokens
-        else:
-            nodes, emitted = verify_tree(tree, None, logits, self.params, self.generator, self.typical)
+        proposal = self.proposal
+        nodes, emitted = verify(proposal.tree, logits, self.params, self.generator, proposal.probs, proposal.typical)
         if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
             root = hidden.shape[0] - logits.shape[0]
             self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
-        self.metrics.record_step(len(draft), len(nodes), int(tree.depth.max()) if tree is not None else None)
+        self.metrics.record_step(len(proposal.tokens), len(nodes), proposal.tree.max_depth)
         self.tokens += self.pending + emitted[:-1]
         self.pending = emitted[-1:]
         self.stops.add(emitted)

@@ -21,22 +21,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specserve.config import ConfigError, DeploymentConfig, load_model_yaml
-from specserve.models.loader import DEFAULT_MODEL
+from specserve.config import ConfigError, DeploymentConfig, ServingConfig, SpeculativeConfig, load_model_yaml
 from specserve.server import openai, triton
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.openai import protocol as openai_protocol
 from specserve.server.repository import (DEFAULT_MAX_QUEUE_SIZE, LLMAPI, VLLM, ModelRepository, default_name,
                                          load_model_json, single_model_sources)
 from specserve.server.request import ServerContext
+from specserve.speculative.registry import DEFAULT_METHOD
 from specserve.server.triton import protocol as triton_protocol
 
 log = logging.getLogger("specserve.server")
 
 
 def default_config() -> DeploymentConfig:
-    """`specserve serve` with no model: the embedded default with n-gram speculation, streaming allowed."""
-    return DeploymentConfig(model=DEFAULT_MODEL, method="ngram", max_draft_len=4, decoupled=True, max_batch_size=0)
+    """`specserve serve` with no model: the embedded default with the default method, streaming allowed."""
+    return DeploymentConfig(serving=ServingConfig(max_batch_size=0, decoupled=True),
+                            speculative=SpeculativeConfig(DEFAULT_METHOD, max_draft_len=4))
 
 
 def build_repository(model_repository: str | Path | None = None, model: str | None = None,
@@ -59,8 +60,8 @@ def build_repository(model_repository: str | Path | None = None, model: str | No
         name = _triton_layout_name(Path(model))
     else:
         config = default_config()
-        config.model = model
-    sources = single_model_sources(config, kind=kind, name=name or default_name(config.model),
+        config.model.source = model
+    sources = single_model_sources(config, kind=kind, name=name or default_name(config.model.source),
                                    max_queue_size=max_queue_size)
     return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size)
 

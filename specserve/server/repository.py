@@ -3,7 +3,7 @@ loading / unloading, and the names models are served under.
 
     <repo>/<name>/config.pbtxt          optional: backend / platform / max_batch_size / decoupled / max_queue_size
     <repo>/<name>/<version>/model.yaml  TRT-LLM LLM-API form (specserve.config.load_model_yaml)
-    <repo>/<name>/<version>/model.json  vLLM backend form (flat pre-0.8 keys or speculative_config)
+    <repo>/<name>/<version>/model.json  vLLM backend form (specserve.config_vllm.load_model_json)
 
 Each served name has a *kind* that decides its request/response conventions: `llmapi` (TRT-LLM LLM-API model
 `tensorrt_llm`), `vllm` (vLLM backend) or `ensemble` (the legacy inflight_batcher_llm ensemble).
@@ -11,7 +11,6 @@ Each served name has a *kind* that decides its request/response conventions: `ll
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -20,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from specserve.config import (ConfigError, DeploymentConfig, build_engine, check_keys, int_at_least, load_model_yaml,
-                              method_name, resolve_path)
-from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml
+from specserve.config_vllm import load_model_json
+from specserve.models.loader import DEFAULT_MODEL, ModelLoadError
 from specserve.server.compute import COMPUTE
 from specserve.server.runner import DEFAULT_MAX_ACTIVE, Runner
 
@@ -68,117 +67,6 @@ def parse_pbtxt(text: str) -> dict:
     if match:
         out["max_queue_size"] = int(match.group(1))
     return out
-
-
-# vLLM AsyncEngineArgs keys that change nothing here (GPU memory, logging, scheduling knobs)
-VLLM_HARMLESS_KEYS = {
-    "gpu_memory_utilization", "disable_log_requests", "enable_log_requests", "disable_log_stats", "enforce_eager",
-    "trust_remote_code", "max_num_seqs", "max_num_batched_tokens", "swap_space", "block_size",
-    "enable_prefix_caching", "enable_chunked_prefill", "seed", "tokenizer_mode", "revision", "tokenizer_revision",
-    "download_dir", "load_format", "distributed_executor_backend", "disable_custom_all_reduce", "max_logprobs",
-    "max_seq_len_to_capture", "cpu_offload_gb", "served_model_name", "preemption_mode", "num_scheduler_steps",
-    "compilation_config", "worker_use_ray", "engine_use_ray", "use_v2_block_manager", "kv_cache_dtype",
-    "disable_sliding_window", "skip_tokenizer_init", "device", "max_parallel_loading_workers",
-    "speculative_draft_tensor_parallel_size", "speculative_disable_by_batch_size", "speculative_max_model_len",
-    "speculative_disable_mqa_scorer", "spec_decoding_acceptance_method", "tokenizer",
-}
-VLLM_KEYS = VLLM_HARMLESS_KEYS | {
-    "model", "dtype", "quantization", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
-    "speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max", "ngram_prompt_lookup_min",
-    "speculative_config",
-}
-VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                  "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "acceptance_method",
-                  "disable_mqa_scorer", "disable_padded_drafter_batch"}
-UNSUPPORTED_SPEC_METHODS = {"mlp_speculator", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "suffix"}
-VLLM_METHODS = {"eagle": "eagle2", "eagle3": "eagle3", "medusa": "medusa"}  # vLLM's EAGLE drafts a dynamic tree here
-
-
-def detect_head_kind(directory: str) -> str | None:
-    """"eagle" / "eagle3" when the directory holds an EAGLE head, else None."""
-    from specserve.spec.eagle import detect_kind, read_state
-
-    path = Path(directory)
-    if not (path / "config.json").exists():
-        return None
-    try:
-        return detect_kind(read_state(path))
-    except (OSError, ValueError, RuntimeError):
-        return None
-
-
-def _vllm_method(method: str | None, draft: str | None, where: str) -> str:
-    if method is None:
-        if draft is None:
-            return "ar"
-        return "ngram" if draft.strip().lower() in ("[ngram]", "ngram") else "draft_target"
-    key = str(method).strip().lower()
-    if key in UNSUPPORTED_SPEC_METHODS:
-        raise ConfigError(f"{where}: speculative method {method!r} is not supported; use ngram, draft_model, "
-                          "eagle, eagle3 or medusa")
-    return VLLM_METHODS.get(key) or method_name(key)
-
-
-def load_model_json(path: Path) -> DeploymentConfig:
-    """A vLLM backend model.json (AsyncEngineArgs) -> DeploymentConfig. Unknown keys are an error naming the key."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict) or "model" not in data:
-        raise ConfigError(f"{path} must be a JSON object with a 'model' key")
-    check_keys(data, VLLM_KEYS, str(path))
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "speculative_draft_tensor_parallel_size"):
-        if data.get(key, 1) != 1:
-            raise ConfigError(f"{key}={data[key]!r} is not supported: specserve runs on one device")
-    base = Path(path).parent
-    dtype = data.get("dtype")
-    config = DeploymentConfig(model=resolve_path(str(data["model"]), base),
-                              dtype=None if dtype in (None, "auto") else str(dtype),
-                              max_model_len=data.get("max_model_len"), decoupled=True, max_batch_size=0,
-                              quantization=data.get("quantization"))
-    if config.max_model_len is not None:
-        int_at_least(config.max_model_len, "max_model_len", 2)
-    spec = data.get("speculative_config")
-    if spec is not None:
-        if not isinstance(spec, dict):
-            raise ConfigError(f"speculative_config in {path} must be an object")
-        for flat in ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
-                     "ngram_prompt_lookup_min"):
-            if flat in data:
-                raise ConfigError(f"{path}: give either speculative_config or the flat key {flat!r}, not both")
-        check_keys(spec, VLLM_SPEC_KEYS, "speculative_config")
-        if spec.get("draft_tensor_parallel_size", 1) != 1:
-            raise ConfigError("draft_tensor_parallel_size must be 1: specserve runs on one device")
-        draft = spec.get("model")
-        method = _vllm_method(spec.get("method"), draft, "speculative_config")
-        tokens = spec.get("num_speculative_tokens")
-        lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
-        tokens_key = "speculative_config.num_speculative_tokens"
-    else:
-        draft = data.get("speculative_model")
-        method = _vllm_method(None, draft, str(path))
-        tokens = data.get("num_speculative_tokens")
-        lookup_max, lookup_min = data.get("ngram_prompt_lookup_max"), data.get("ngram_prompt_lookup_min")
-        tokens_key = "num_speculative_tokens"
-    if method == "ar":
-        return config
-    if tokens is None:
-        raise ConfigError(f"{path}: {tokens_key} is required with speculative decoding")
-    config.method = method
-    config.max_draft_len = int_at_least(tokens, tokens_key, 1)
-    if method in ("draft_target", "eagle2", "eagle3", "medusa"):
-        if not draft:
-            raise ConfigError(f"{path}: the {method} method needs the draft model's or head's path ('model')")
-        config.speculative_model = resolve_path(str(draft), base)
-        if method == "draft_target":  # older vLLM names an EAGLE head as the draft model: use it as one
-            kind = detect_head_kind(config.speculative_model)
-            config.method = {"eagle": "eagle2", "eagle3": "eagle3"}.get(kind, method)
-    if lookup_max is not None:
-        config.prompt_lookup_max = int_at_least(lookup_max, "prompt_lookup_max", 1)
-    if lookup_min is not None:
-        config.prompt_lookup_min = int_at_least(lookup_min, "prompt_lookup_min", 1)
-    return config
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -239,8 +127,8 @@ def read_model_dir(model_dir: Path, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
         source.kind = VLLM
     elif pbtxt.get("platform") == "ensemble" or (name == "ensemble" and "backend" not in pbtxt):
         source.kind = ENSEMBLE
-    source.decoupled = pbtxt.get("decoupled", source.config.decoupled)
-    source.max_batch_size = pbtxt.get("max_batch_size", source.config.max_batch_size)
+    source.decoupled = pbtxt.get("decoupled", source.config.serving.decoupled)
+    source.max_batch_size = pbtxt.get("max_batch_size", source.config.serving.max_batch_size)
     return source
 
 
@@ -256,12 +144,12 @@ def single_model_sources(config: DeploymentConfig, kind: str = LLMAPI, name: str
                          max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
                          aliases: dict[str, str] | None = None) -> list[ModelSource]:
     """One engine served under its own name (of `kind`) plus the seeds' names (tensorrt_llm, ensemble, ...)."""
-    name = name or default_name(config.model)
+    name = name or default_name(config.model.source)
     names = {name: kind}
     for alias, alias_kind in (DEFAULT_ALIASES if aliases is None else aliases).items():
         names.setdefault(alias, alias_kind)
-    return [ModelSource(name=n, kind=k, config=config, decoupled=config.decoupled,
-                        max_batch_size=0 if k == VLLM else config.max_batch_size, max_queue_size=max_queue_size,
+    return [ModelSource(name=n, kind=k, config=config, decoupled=config.serving.decoupled,
+                        max_batch_size=0 if k == VLLM else config.serving.max_batch_size, max_queue_size=max_queue_size,
                         group="default") for n, k in names.items()]
 
 
@@ -441,18 +329,18 @@ class ModelRepository:
     def _build(self, source: ModelSource) -> Deployment:
         start = time.perf_counter()
         config = source.config
-        key = (config.model, config.dtype, config.quantization)
+        key = (config.model.source, config.model.dtype, config.model.quantization)
         with self._lock:
             target = self._targets.get(key)
             step_lock = self._step_locks.setdefault(key, threading.Lock())
         if target is None:
-            target = COMPUTE.run(load_model, config.model, dtype=config.dtype, quantization=config.quantization)
+            target = COMPUTE.run(config.model.load)
             with self._lock:
                 self._targets[key] = target
         engine = COMPUTE.run(self.engine_factory, config, target)  # cost tables: tensor work too
         runner = Runner(engine, source.max_queue_size, name=source.name, step_lock=step_lock,
                         max_active=source.max_batch_size or DEFAULT_MAX_ACTIVE,
-                        adaptive_draft=config.adaptive_draft_len)
+                        adaptive_draft=config.speculative.adaptive_draft_len)
         return Deployment(config, engine, runner, time.perf_counter() - start)
 
     def unload(self, name: str) -> None:
@@ -470,8 +358,8 @@ class ModelRepository:
         with self._lock:
             if any(m.deployment is deployment for m in self.models.values()):
                 return
-            live = {(m.deployment.config.model, m.deployment.config.dtype, m.deployment.config.quantization)
-                    for m in self.models.values() if m.deployment is not None}
+            live = {(m.deployment.config.model.source, m.deployment.config.model.dtype,
+                     m.deployment.config.model.quantization) for m in self.models.values() if m.deployment is not None}
             for key in list(self._targets):
                 if key not in live:
                     del self._targets[key]

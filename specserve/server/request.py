@@ -21,7 +21,7 @@ from specserve.server.http import with_disconnect
 from specserve.server.metrics import ServerMetrics
 from specserve.server.repository import ModelRepository, ServedModel
 from specserve.server.runner import RequestHandle, RequestObserver, RequestTiming
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,

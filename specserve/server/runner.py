@@ -24,7 +24,7 @@ from typing import Any
 from specserve.engine.batch import BatchEngine, StreamBatch
 from specserve.engine.engine import Engine, RequestError, StreamEvent
 from specserve.server.compute import COMPUTE
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 log = logging.getLogger("specserve.server")
 

@@ -22,9 +22,9 @@ from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.spec.eagle import default_aux_layer_ids
-from specserve.spec.proposers import NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.eagle import default_aux_layer_ids
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 MANIFEST = "data.json"
 

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.models.loader import LoadedModel
+from specserve.train.vocab import subset_labels
 
 
 def kept_layers(num_layers: int, keep: int) -> list[int]:
@@ -65,8 +66,6 @@ def new_draft_model(target: LoadedModel, num_layers: int):
 
 def draft_loss(model, batch: dict, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Cross-entropy against the target's argmax at each real position, over the draft vocabulary."""
-    from specserve.train.heads import subset_labels
-
     hidden = model.model(input_ids=batch["tokens"]).last_hidden_state
     logits = F.linear(hidden, model.get_output_embeddings().weight[vocab_ids]).float()
     cap = getattr(model.config, "final_logit_softcapping", None)

@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.models.loader import LoadedModel
-from specserve.spec.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
-from specserve.spec.medusa import MedusaHeads, save_medusa
-from specserve.spec.weights import write_draft_vocab
+from specserve.speculative.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
+from specserve.speculative.medusa import MedusaHeads, save_medusa
+from specserve.speculative.weights import write_draft_vocab
 from specserve.train.data import atomic_save
 from specserve.train.draft import draft_loss, new_draft_model, save_draft_model
+from specserve.train.vocab import pick_draft_vocab, subset_labels
 
 CHECKPOINT = "checkpoint.pt"
 STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss weight per training-time-test step
@@ -51,15 +52,6 @@ class TrainSettings:
     seed: int = 0
     save_every: int = 100
     weight_decay: float = 0.0
-
-
-def pick_draft_vocab(records: list[dict], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent target tokens in the data (labels and text), ties by id; sorted ids."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in records:
-        counts += torch.bincount(torch.cat([r["labels"], r["tokens"]]), minlength=vocab_size)[:vocab_size]
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:min(size, vocab_size)]))
 
 
 def sample_windows(records: list[dict], settings: TrainSettings, step: int, micro: int) -> dict:
@@ -158,15 +150,11 @@ def eagle_loss(head: EagleHead, target: FrozenTarget, batch: dict, steps: int) -
     """Weighted loss over the training-time-test steps, and the step-0 top-1 accuracy."""
     outputs = eagle_step_outputs(head, target.embed_table, batch, steps)
     total, accuracy = 0.0, 0.0
-    if head.kind == "eagle3":
-        draft_ids = head.draft_to_target()
-        target_to_draft = torch.full((head.config.vocab_size,), -100, dtype=torch.long, device=draft_ids.device)
-        target_to_draft[draft_ids] = torch.arange(head.config.draft_vocab_size, device=draft_ids.device)
     for j, out in enumerate(outputs):
         labels = shifted(batch["labels"], 1 + j, fill=0)
         valid = shifted(batch["valid"], 1 + j, fill=False)
         if head.kind == "eagle3":
-            labels = target_to_draft[labels]
+            labels = subset_labels(labels, head.draft_to_target(), head.config.vocab_size)
             logits = head.lm_head(head.norm(out)).float()
             loss = F.cross_entropy(logits[valid], labels[valid], ignore_index=-100)
         else:
@@ -178,13 +166,6 @@ def eagle_loss(head: EagleHead, target: FrozenTarget, batch: dict, steps: int) -
         if j == 0:
             accuracy = float((logits[valid].argmax(-1) == labels[valid]).float().mean())
     return total, accuracy
-
-
-def subset_labels(labels: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Target ids -> positions in the draft vocabulary (-100, ignored by the loss, for ids outside it)."""
-    index = torch.full((vocab_size,), -100, dtype=torch.long, device=labels.device)
-    index[vocab_ids] = torch.arange(vocab_ids.numel(), device=labels.device)
-    return index[labels]
 
 
 def medusa_loss(heads: MedusaHeads, batch: dict) -> tuple[torch.Tensor, float]:

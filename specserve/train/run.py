@@ -6,15 +6,13 @@ import json
 import time
 from pathlib import Path
 
-from specserve.config import DeploymentConfig, build_engine
+from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
 from specserve.models.loader import LoadedModel
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative import registry
+from specserve.speculative.sampling import SamplingParams
 from specserve.train.data import build_dataset, load_dataset
 from specserve.train.heads import TrainSettings, train
 from specserve.train.prompt_files import check_held_out
-
-METHOD_OF_KIND = {"eagle3": "eagle3", "eagle": "eagle2", "medusa": "medusa", "draft": "draft_target"}
-
 
 def split_held_out(prompts: list[str], fraction: float = 0.05, at_most: int = 20) -> tuple[list[str], list[str]]:
     """Training prompts and held-out evaluation prompts (the last few: the set is shuffled when built)."""
@@ -26,10 +24,10 @@ def evaluate(target: LoadedModel, kind: str, head_dir, prompts: list[str], max_t
              max_draft_len: int = 6) -> dict:
     """Greedy decoding with the trained head on held-out prompts: tau, acceptance per draft position, and
     whether the output equals plain decoding (it must)."""
-    config = DeploymentConfig(model=str(target.path), method=METHOD_OF_KIND[kind], speculative_model=str(head_dir),
-                              max_draft_len=max_draft_len, adaptive_draft_len=False)
-    engine = build_engine(config, target)
-    plain = build_engine(DeploymentConfig(model=str(target.path)), target)
+    method = registry.for_training(kind).name
+    spec = SpeculativeConfig(method, max_draft_len, str(head_dir), adaptive_draft_len=False)
+    engine = build_engine(DeploymentConfig(ModelConfig(str(target.path)), speculative=spec), target)
+    plain = build_engine(DeploymentConfig(ModelConfig(str(target.path))), target)
     params = SamplingParams(max_tokens=max_tokens)
     output = forwards = 0
     drafted: list[int] = []
@@ -49,7 +47,7 @@ def evaluate(target: LoadedModel, kind: str, head_dir, prompts: list[str], max_t
         equal += result.token_ids == plain.generate(prompt, params).token_ids
     return {"prompts": len(prompts), "tau": output / max(forwards, 1),
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted)],
-            "outputs_equal_plain": equal, "method": config.method, "max_draft_len": max_draft_len}
+            "outputs_equal_plain": equal, "method": method, "max_draft_len": max_draft_len}
 
 
 def run_training(target: LoadedModel, kind: str, prompts: list[str], out_dir, data_dir=None,

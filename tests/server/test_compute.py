@@ -25,7 +25,7 @@ def test_engine_steps_and_loading_run_on_the_compute_thread(monkeypatch, loaded)
     from specserve.engine.batch import BatchEngine
     from specserve.engine.engine import Engine
     from specserve.server.runner import Runner
-    from specserve.spec.sampling import SamplingParams
+    from specserve.speculative.sampling import SamplingParams
 
     threads = set()
     step = BatchEngine.step

@@ -1,81 +1,13 @@
-"""Model repository parsing: vLLM model.json (old flat keys and speculative_config), config.pbtxt, kinds, the names
-`--model` serves under, and load / unload / sharing of one engine between aliases."""
+"""Model repository parsing: config.pbtxt, kinds, the names `--model` serves under, and load / unload / sharing of one engine between aliases."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
 from specserve.config import ConfigError
 from specserve.server.app import build_repository
-from specserve.server.repository import (DEFAULT_ALIASES, ENSEMBLE, LLMAPI, VLLM, ModelRepository,
-                                         load_model_json, parse_pbtxt, read_model_dir)
-
-
-def model_json(tmp_path, data: dict):
-    path = tmp_path / "model.json"
-    path.write_text(json.dumps(data))
-    return path
-
-
-def test_vllm_flat_keys(tmp_path):
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_model": "d", "num_speculative_tokens": 5,
-                                              "speculative_draft_tensor_parallel_size": 1,
-                                              "gpu_memory_utilization": 0.1, "enforce_eager": True}))
-    assert (c.method, c.speculative_model, c.max_draft_len, c.decoupled) == ("draft_target", "d", 5, True)
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_model": "[ngram]",
-                                              "num_speculative_tokens": 4, "ngram_prompt_lookup_max": 4,
-                                              "ngram_prompt_lookup_min": 2}))
-    assert (c.method, c.max_draft_len, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 4, 2)
-    c = load_model_json(model_json(tmp_path, {"model": "m", "dtype": "auto", "max_model_len": 256,
-                                              "disable_log_requests": True}))
-    assert (c.method, c.dtype, c.max_model_len) == ("ar", None, 256)
-
-
-def test_vllm_eagle_and_medusa(tmp_path):
-    from specserve.spec.eagle import EagleConfig, EagleHead, save_eagle
-
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_config": {
-        "method": "eagle3", "model": "head", "num_speculative_tokens": 5}}))
-    assert (c.method, c.speculative_model, c.max_draft_len) == ("eagle3", "head", 5)
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_config": {
-        "method": "medusa", "model": "heads", "num_speculative_tokens": 3}}))
-    assert c.method == "medusa"
-    # the seeds' older form names an EAGLE head as speculative_model: it is recognised by its weights
-    head = EagleHead(EagleConfig(kind="eagle", hidden_size=16, num_heads=2, num_kv_heads=2, intermediate_size=32,
-                                 vocab_size=40))
-    eagle_dir = save_eagle(head, tmp_path / "EAGLE-LLaMA3-Instruct-8B")
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_model": str(eagle_dir),
-                                              "num_speculative_tokens": 5}))
-    assert (c.method, c.max_draft_len) == ("eagle2", 5)
-
-
-def test_vllm_speculative_config(tmp_path):
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_config": {
-        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}}))
-    assert (c.method, c.max_draft_len, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 3, 5, 2)
-    c = load_model_json(model_json(tmp_path, {"model": "m", "speculative_config": {
-        "method": "draft_model", "model": "small", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}}))
-    assert (c.method, c.speculative_model, c.max_draft_len) == ("draft_target", "small", 2)
-
-
-@pytest.mark.parametrize("data,fragment", [
-    ({"model": "m", "gpu_memory_fraction": 0.5}, "gpu_memory_fraction"),
-    ({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}},
-     "lookup"),
-    ({"model": "m", "speculative_config": {"method": "mlp_speculator", "num_speculative_tokens": 3}},
-     "mlp_speculator"),
-    ({"model": "m", "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}, "path"),
-    ({"model": "m", "speculative_model": "d"}, "num_speculative_tokens"),
-    ({"model": "m", "tensor_parallel_size": 2}, "tensor_parallel_size"),
-    ({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
-     "num_speculative_tokens"),
-    ({"speculative_model": "d"}, "model"),
-])
-def test_vllm_errors_name_the_key(tmp_path, data, fragment):
-    with pytest.raises(ConfigError, match=fragment):
-        load_model_json(model_json(tmp_path, data))
+from specserve.server.repository import (DEFAULT_ALIASES, ENSEMBLE, LLMAPI, VLLM, ModelRepository, parse_pbtxt,
+                                         read_model_dir)
 
 
 def test_pbtxt():
@@ -115,12 +47,12 @@ def test_single_model_names(tmp_path, checkpoint):
     assert names[0] == checkpoint("llama").rstrip("/").rsplit("/", 1)[-1]
     assert set(DEFAULT_ALIASES) <= set(names)
     assert {n: m.kind for n, m in repo.models.items() if n in DEFAULT_ALIASES} == DEFAULT_ALIASES
-    assert all(m.source.config.method == "ngram" for m in repo.models.values())
+    assert all(m.source.config.speculative.method == "ngram" for m in repo.models.values())
     yaml_file = tmp_path / "my_model" / "1" / "model.yaml"
     yaml_file.parent.mkdir(parents=True)
     yaml_file.write_text(f"model: {checkpoint('llama')}\n")
     repo = build_repository(model=str(yaml_file))
-    assert list(repo.models)[0] == "my_model" and repo.models["my_model"].source.config.method == "ar"
+    assert list(repo.models)[0] == "my_model" and repo.models["my_model"].source.config.speculative.method == "ar"
     default = build_repository()
     assert list(default.models)[0] == "gemma-3-270m" and "tensorrt_llm" in default.models
 
@@ -128,7 +60,7 @@ def test_single_model_names(tmp_path, checkpoint):
 def test_aliases_share_one_engine_and_unload(checkpoint):
     repo = build_repository(model=checkpoint("llama"))
     for model in repo.models.values():
-        model.source.config.dtype = "float32"
+        model.source.config.model.dtype = "float32"
     assert repo.load_all() == {}
     engines = {id(m.engine) for m in repo.models.values()}
     assert len(engines) == 1

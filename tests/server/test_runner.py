@@ -11,7 +11,7 @@ import pytest
 from specserve.engine.engine import RequestError, StreamEvent
 from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.server.runner import QueueFullError, RequestCancelledError, Runner, RunnerClosedError
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 
 class FakeEngine:

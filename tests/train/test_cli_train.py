@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from specserve.cli import app
-from specserve.config import DeploymentConfig, build_engine
+from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
 
 
 def test_train_command_writes_a_loadable_head(checkpoint, loaded, tmp_path):
@@ -22,8 +22,8 @@ def test_train_command_writes_a_loadable_head(checkpoint, loaded, tmp_path):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["kind"] == "eagle3" and report["train_prompts"] == 3 and report["eval"]["prompts"] == 1
     assert report["eval"]["outputs_equal_plain"] == 1
-    config = DeploymentConfig(model=checkpoint("llama"), method="eagle3", speculative_model=str(out),
-                              adaptive_draft_len=False)
+    config = DeploymentConfig(ModelConfig(checkpoint("llama")),
+                              speculative=SpeculativeConfig("eagle3", model=str(out), adaptive_draft_len=False))
     assert build_engine(config, loaded("llama")).method.head.config.draft_vocab_size == 64
 
 

@@ -16,7 +16,7 @@ from specserve.server.http import json_response, sse
 from specserve.server.repository import RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 DEFAULT_CHAT_MAX_TOKENS_CAP = 2048  # chat default: the rest of the context, at most this

@@ -18,7 +18,7 @@ from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_e
 from specserve.server.http import json_response
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, ServedModel
 from specserve.server.request import sampling_params
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 STREAMING_NOT_DECOUPLED = "Streaming is only supported in decoupled mode."
 UINT64_MAX = 2**64 - 1

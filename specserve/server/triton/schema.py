@@ -87,9 +87,9 @@ def model_config(model: ServedModel) -> dict:
     source, engine = model.source, model.engine
     config = source.config
     parameters = {"speculative_method": engine.method_name, "max_draft_len": str(engine.max_draft_len),
-                  "model": str(config.model), "max_model_len": str(engine.max_model_len)}
-    if config.speculative_model:
-        parameters["speculative_model"] = str(config.speculative_model)
+                  "model": str(config.model.source), "max_model_len": str(engine.max_model_len)}
+    if config.speculative.model:
+        parameters["speculative_model"] = str(config.speculative.model)
     return {
         "name": model.name, "platform": source.platform, "backend": source.backend,
         "version_policy": {"latest": {"num_versions": 1}}, "max_batch_size": source.max_batch_size,

@@ -6,8 +6,10 @@ import pytest
 
 from specserve.engine.batch import Acceptance, BatchEngine, expected_tokens
 from specserve.engine.engine import Engine
-from specserve.spec.proposers import DraftModelMethod, NGramMethod, Proposal, Proposer, SpecMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.base import Proposal, Proposer, SpecMethod
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox", "for i in range(10):",
            "def add(a, b):", "The lazy dog sleeps", "print(i * i)", "Once upon a time there was"]
@@ -97,7 +99,7 @@ class ScriptedMethod(SpecMethod):
                 following = method.reference[len(tokens): len(tokens) + max_len]
                 if len(calls) <= method.wrong:
                     following = [(t + 1) % method.vocab for t in following]
-                return Proposal(following)
+                return Proposal.chain(tokens[-1], following)
 
         return Scripted()
 

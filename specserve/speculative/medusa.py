@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.spec.choices import DEFAULT_CHOICES
-from specserve.spec.tree import DraftTree, tree_from_choices
-from specserve.spec.weights import (check_layout, read_draft_vocab, read_weights, write_draft_vocab,
+from specserve.speculative.choices import DEFAULT_CHOICES
+from specserve.speculative.tree import DraftTree, tree_from_choices
+from specserve.speculative.weights import (check_layout, read_draft_vocab, read_weights, write_draft_vocab,
                                      write_weights)
 
 SAFETENSORS_FILE = "medusa_lm_head.safetensors"

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.spec.weights import check_layout, read_weights, write_weights
+from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 TORCH_FILE = "pytorch_model.bin"
 SAFETENSORS_FILE = "model.safetensors"

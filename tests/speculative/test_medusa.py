@@ -9,11 +9,11 @@ import torch
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.spec.medusa import MedusaHeads
-from specserve.spec.proposers import MedusaMethod
-from specserve.spec.sampling import SamplingParams
-from tests.test_batching import run_batched
-from tests.test_sampling_lossless import sample_three_tokens, total_variation, tv_bound
+from specserve.speculative.medusa import MedusaHeads
+from specserve.speculative.medusa_draft import MedusaMethod
+from specserve.speculative.sampling import SamplingParams
+from tests.engine.test_batching import run_batched
+from tests.speculative.test_sampling_lossless import follows, sample_three_tokens
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [2], [0, 0, 0, 0]]
@@ -60,8 +60,7 @@ def medusa_statistics(loaded):
 
 def test_medusa_sampling_keeps_target_distribution(loaded):
     counts, expected = medusa_statistics(loaded)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)
 
 
 
@@ -71,7 +70,7 @@ def test_medusa_from_model_yaml_and_cli(loaded, checkpoint, tmp_path):
     from typer.testing import CliRunner
 
     from specserve.cli import app
-    from specserve.spec.medusa import save_medusa
+    from specserve.speculative.medusa import save_medusa
     target = loaded("qwen2")
     heads = save_medusa(random_heads(target.model, num_heads=3), tmp_path / "heads")
     yaml_file = tmp_path / "model.yaml"
@@ -92,15 +91,16 @@ def test_medusa_from_model_yaml_and_cli(loaded, checkpoint, tmp_path):
 
 def test_typical_acceptance_is_opt_in_and_reported_lossy(loaded, checkpoint, tmp_path):
     from specserve.config import build_engine, load_model_yaml
-    from specserve.spec.medusa import save_medusa
-    from specserve.spec.tree import DraftTree, verify_tree_typical
+    from specserve.speculative.medusa import save_medusa
+    from specserve.speculative.tree import DraftTree
+    from specserve.speculative.verify import TypicalAcceptance, verify
 
     # unit: a child is accepted when its token's probability clears min(threshold, alpha * exp(-entropy))
     tree = DraftTree(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))
     logits = torch.log(torch.tensor([[0.05, 0.02, 0.93, 0.0], [0.25] * 4, [0.25] * 4]) + 1e-9)
-    verdict = verify_tree_typical(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), 0.09, 0.3)
+    verdict = verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), typical=TypicalAcceptance(0.09, 0.3))
     assert verdict.nodes == [2]  # limit min(0.09, 0.3 * e^-H) = 0.09: token 1 (0.02) fails, token 2 (0.93) passes
-    strict = verify_tree_typical(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), 0.95, 5.0)
+    strict = verify(tree, logits, SamplingParams(temperature=1.0), torch.Generator(), typical=TypicalAcceptance(0.95, 5.0))
     assert strict.nodes == [] and strict.accepted == 0
     target = loaded("qwen2")
     heads = save_medusa(random_heads(target.model, num_heads=2), tmp_path / "heads")

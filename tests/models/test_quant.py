@@ -10,8 +10,9 @@ from gguf import GGMLQuantizationType, quants
 from specserve.engine.engine import Engine
 from specserve.models import quant
 from specserve.models.loader import ModelLoadError, _llama_row_order, load_model
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 # fp16 fields (byte offsets) of each block: random bytes elsewhere are valid codes
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),

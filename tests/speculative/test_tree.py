@@ -10,17 +10,26 @@ from collections import Counter
 import pytest
 import torch
 
-import specserve.spec.tree as tree_module
+import specserve.speculative.verify as verify_module
 from specserve.models.kv_cache import KVCache
-from specserve.spec.choices import mc_sim_7b_63
-from specserve.spec.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.tree import DraftTree, chain_tree, tree_from_choices, verify_tree_greedy, verify_tree_sampling
-from tests.test_sampling_lossless import total_variation, tv_bound
+from specserve.speculative.choices import mc_sim_7b_63
+from specserve.speculative.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.tree import Chain, DraftTree, tree_from_choices
+from specserve.speculative.verify import verify
+from tests.speculative.test_sampling_lossless import total_variation, tv_bound
 
 # Deliberately unsorted; sorted by (depth, ranks): [0] [1] [0,0] [0,1] [1,0] [0,0,0] -> nodes 1..6.
 SMALL_CHOICES = [[1], [0, 0], [0], [0, 1], [0, 0, 0], [1, 0]]
 SMALL_CANDIDATES = [[10, 11], [20, 21], [30]]
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root to `node`, both included."""
+    path = [node]
+    while path[-1] != 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
 
 
 def small_tree(root: int = 5) -> DraftTree:
@@ -33,7 +42,8 @@ def test_tree_from_choices_by_hand():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
     assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert tree.positions(100).tolist() == [100, 101, 101, 102, 102, 102, 103]
-    assert tree.paths == [[0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    assert [path_to(tree, leaf) for leaf in (4, 5, 6)] == [[0, 1, 4], [0, 2, 5], [0, 1, 3, 6]]
+    assert [n for n in range(len(tree)) if not tree.children(n)] == [4, 5, 6]
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0, 0],
@@ -57,7 +67,7 @@ def test_default_medusa_tree_shape():
     ordered = sorted(mc_sim_7b_63, key=lambda c: (len(c), c))
     for i, choice in enumerate(ordered, start=1):
         assert int(tree.tokens[i]) == candidates[len(choice) - 1][choice[-1]]
-        assert tree.path_to(i)[1:] == [ordered.index(choice[:k]) + 1 for k in range(1, len(choice) + 1)]
+        assert path_to(tree, i)[1:] == [ordered.index(choice[:k]) + 1 for k in range(1, len(choice) + 1)]
 
 
 def test_tree_from_choices_errors():
@@ -71,6 +81,10 @@ def test_tree_from_choices_errors():
         DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
 
 
+def greedy(tree: DraftTree, logits: torch.Tensor):
+    return verify(tree, logits, SamplingParams(), torch.Generator())
+
+
 def greedy_logits(tree: DraftTree, argmax: dict[int, int], vocab: int = 50) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(len(tree), vocab, generator=gen)
@@ -82,22 +96,22 @@ def greedy_logits(tree: DraftTree, argmax: dict[int, int], vocab: int = 50) -> t
 def test_greedy_accepts_deep_path_with_bonus():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 10, 1: 20, 3: 30, 6: 42})
-    nodes, tokens = verify_tree_greedy(tree, logits)
+    nodes, tokens = greedy(tree, logits)
     assert nodes == [1, 3, 6] and tokens == [10, 20, 30, 42]
 
 
 def test_greedy_takes_second_sibling_and_corrects():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 11, 2: 20, 5: 7})  # [1] -> [1, 0]; then argmax 7 is the bonus
-    assert verify_tree_greedy(tree, logits) == ([2, 5], [11, 20, 7])
+    assert greedy(tree, logits) == ([2, 5], [11, 20, 7])
     logits = greedy_logits(tree, {0: 10, 1: 21, 4: 3})  # second child of node 1, a leaf
-    assert verify_tree_greedy(tree, logits) == ([1, 4], [10, 21, 3])
+    assert greedy(tree, logits) == ([1, 4], [10, 21, 3])
 
 
 def test_greedy_rejects_at_root():
     tree = small_tree()
     logits = greedy_logits(tree, {0: 12})
-    verdict = verify_tree_greedy(tree, logits)
+    verdict = greedy(tree, logits)
     assert verdict.nodes == [] and verdict.tokens == [12] and verdict.accepted == 0
 
 
@@ -105,7 +119,7 @@ def test_greedy_prefers_deepest_among_repeated_siblings():
     tree = DraftTree(torch.tensor([0, 4, 4, 6]), torch.tensor([-1, 0, 0, 2]))
     logits = torch.zeros(4, 10)
     logits[0, 4] = logits[1, 9] = logits[2, 6] = logits[3, 1] = 1.0
-    assert verify_tree_greedy(tree, logits) == ([2, 3], [4, 6, 1])
+    assert greedy(tree, logits) == ([2, 3], [4, 6, 1])
 
 
 # ---- sampling: statistical losslessness ------------------------------------------------------------------
@@ -134,7 +148,7 @@ def sampling_statistics(deterministic: bool, params: SamplingParams, samples: in
             drawn = sample(q_nodes[shape.parents.clamp(min=0)], gen)
             drawn[0] = 0
             tree, q_arg = DraftTree(drawn, shape.parents), q_nodes
-        verdict = verify_tree_sampling(tree, q_arg, logits, params, gen)
+        verdict = verify(tree, logits, params, gen, q_arg)
         first[verdict.tokens[0]] += 1
         if verdict.accepted >= 1:
             second[verdict.tokens[1]] += 1
@@ -156,17 +170,21 @@ def test_tree_sampling_keeps_target_distribution(deterministic, params):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_broken_tree_sampling_fails_the_same_test(deterministic, monkeypatch):
-    monkeypatch.setattr(tree_module, "residual_distribution", lambda p, q: p)  # no subtraction of q
+    monkeypatch.setattr(verify_module, "residual_distribution", lambda p, q: p)  # no subtraction of q
     p, first, _ = sampling_statistics(deterministic, SamplingParams(temperature=1.0))
     n = sum(first.values())
     assert total_variation(first, dict(enumerate(p[0].tolist())), n) > tv_bound(VOCAB, n)
 
 
-def test_chain_tree_matches_chain_verifier_greedy():
-    tree = chain_tree([3, 1, 4, 1])
+def test_a_chain_is_a_one_branch_tree():
+    chain = Chain(3, [1, 4, 1])
+    tree = DraftTree(torch.tensor([3, 1, 4, 1]), torch.arange(-1, 3))
+    for name in ("tokens", "parents", "depth", "mask"):
+        assert torch.equal(getattr(chain, name), getattr(tree, name)), name
+    assert [chain.children(i) for i in range(4)] == [tree.children(i) for i in range(4)]
     logits = torch.zeros(4, 8)
     logits[0, 1] = logits[1, 4] = logits[2, 2] = 1.0
-    assert verify_tree_greedy(tree, logits) == ([1, 2], [1, 4, 2])
+    assert greedy(chain, logits) == greedy(tree, logits) == ([1, 2], [1, 4, 2])  # the fast path agrees
 
 
 # ---- the real model: tree attention and compaction ---------------------------------------------------------
@@ -199,7 +217,7 @@ def test_tree_forward_equals_chain_forward_and_compaction(loaded, family):
     tree_logits = tree_forward()
     assert int(cache.lengths[0]) == base  # the forward never commits
     for node in range(n):
-        path = tree.path_to(node)
+        path = path_to(tree, node)
         pos = torch.arange(base, base + len(path))[None]
         chain = model(tree.tokens[path][None], pos, cache, pos).logits[0, -1]
         torch.testing.assert_close(tree_logits[node], chain)
@@ -212,7 +230,7 @@ def test_tree_forward_equals_chain_forward_and_compaction(loaded, family):
 
     # accept root -> node 2 -> node 5 (slots base+0, base+2, base+5), compact, then one plain step
     tree_forward()
-    accepted = tree.path_to(5)
+    accepted = path_to(tree, 5)
     cache.compact(0, base + torch.tensor(accepted), base)
     cache.lengths[0] = base + len(accepted)
     next_token = 42

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from specserve.config import DeploymentConfig, build_engine
+from specserve.config import DeploymentConfig, SpeculativeConfig, build_engine
 from specserve.models.loader import DEFAULT_MODEL, load_model
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def default_model():
 
 def test_default_model_ngram_equals_plain(default_model):
     plain = build_engine(DeploymentConfig(), default_model)
-    ngram = build_engine(DeploymentConfig(method="ngram", max_draft_len=4), default_model)
+    ngram = build_engine(DeploymentConfig(speculative=SpeculativeConfig("ngram", max_draft_len=4)), default_model)
     params = SamplingParams(max_tokens=48)
     for prompt in PROMPTS:
         want, got = plain.generate(prompt, params), ngram.generate(prompt, params)

@@ -6,10 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specserve.config import DeploymentConfig, build_engine
+from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
 from specserve.engine.engine import Engine, RequestError
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
@@ -137,8 +138,8 @@ def test_prompt_longer_than_context_is_a_request_error(loaded):
 
 
 def test_build_engine_from_config(loaded, checkpoint):
-    config = DeploymentConfig(model=checkpoint("mistral"), method="draft_target",
-                              speculative_model=checkpoint("mistral", seed=1), max_draft_len=3, dtype="float32")
+    config = DeploymentConfig(ModelConfig(checkpoint("mistral"), dtype="float32"),
+                              speculative=SpeculativeConfig("draft_target", 3, checkpoint("mistral", seed=1)))
     engine = build_engine(config)
     assert engine.method_name == "draft_target" and engine.max_draft_len == 3
     assert engine.generate(PROMPTS[0], SamplingParams(max_tokens=12)).token_ids == \

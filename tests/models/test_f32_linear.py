@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels as ck
 from specserve.models import transformer
-from specserve.spec.proposers import NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 if not ck.f32_linear_available():
     pytest.skip(f"fp32 kernel unavailable: {ck.f32_unavailable_reason}", allow_module_level=True)

@@ -4,15 +4,12 @@ Per request the head keeps its own KV cache over the committed pairs (feature of
 step it first runs the pairs committed since the last step, then grows a tree level by level from the pending
 token (the root): a level runs the head once over the nodes it expands (their parents' outputs as features,
 tree-masked), and their children are the top-k of the head's logits. The tree's nodes are deterministic
-candidates, so `tree.verify_tree_sampling` keeps sampling lossless and greedy output equals plain decoding
+candidates, so the verifier's rejection sampling keeps sampling lossless and greedy output equals plain decoding
 whatever the head predicts.
 
 Dynamic trees (EAGLE-2) score a node by its path's cumulative draft log-probability, expand the `top_k` best
 nodes of each level and keep the `total_tokens` best nodes overall. With the target's measured verify cost
-(`verify_seconds`), the tree size and depth are chosen per step instead: keep the N best nodes that maximize
-(1 + c * sum of their path probabilities) / (verify cost of N + 1 tokens + drafting time), and draft another
-level only while its best possible gain per second beats that rate; c calibrates the head's confidence against
-the acceptance it actually gets.
+(`verify_seconds`), `tree_budget.TreeBudget` chooses the tree's size and depth per step instead.
 
 With `lookup` (prompt lookup as a branch), the n-gram continuation of the sequence (as `ngram` drafts it) is merged
 into the drafted tree: where the head drafted the same tokens the nodes are shared, the rest hangs below them as a
@@ -28,12 +25,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from specserve.spec.eagle import EagleHead, HeadCache
-from specserve.spec.proposers import Proposal, Proposer, SpecMethod, common_prefix_length, ngram_lookup
-from specserve.spec.tree import DraftTree
+from specserve.checks import ConfigError, flag, int_at_least
+from specserve.engine.step_costs import target_verify_seconds
+from specserve.models.loader import LoadedModel
+from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.choices import DEFAULT_CHOICES
+from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
+from specserve.speculative.lookup_branch import LookupBranch
+from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, check_lookup_bounds, read_lookup_bounds
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.tree_budget import TreeBudget
 
 
 class EagleMethod(SpecMethod):
@@ -50,8 +57,8 @@ class EagleMethod(SpecMethod):
         prompt lookup's continuation into every tree."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
-        if lookup is not None and not 1 <= lookup[0] <= lookup[1]:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lookup[0]}, {lookup[1]}")
+        if lookup is not None:
+            check_lookup_bounds(*lookup, ValueError)
         self.lookup = lookup
         self.name = name
         self.max_depth = max_depth
@@ -173,40 +180,33 @@ class EagleProposer(Proposer):
         self.stable = 0  # pairs whose keys/values are in the head cache
         self.features: list[torch.Tensor] = []  # target features of committed tokens not yet run
         self.last_output: torch.Tensor | None = None
-        # calibration of the head's confidence: accepted tokens vs predicted (path probabilities), smoothed
-        self.predicted, self.accepted = 1.0, 1.0
-        self.pending_prediction: float | None = None
-        self.level_seconds: float | None = None
+        self.budget = TreeBudget(method.verify_seconds, method.top_k, method.total_tokens, method.choices is not None)
         self.lookup = LookupBranch(*method.lookup) if method.lookup else None
-        self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
-        if self.pending_prediction is not None:
-            self.predicted += self.pending_prediction
-            self.accepted += hidden.shape[0] - 1  # rows: the root and each accepted node
-            self.pending_prediction = None
+        self.budget.observe(hidden.shape[0] - 1)  # rows: the root and each accepted node
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         if max_len <= 0 or (not self.features and self.last_output is None):
-            return Proposal([])
+            return Proposal.chain(tokens[-1], [])
         chain, rate = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], 0.0)
-        if self._lookup_alone_pays(chain, rate):  # the head's pairs wait in self.features for a later step
+        if self.budget.lookup_alone_pays(chain, rate):  # the head's pairs wait in self.features for a later step
             nodes = Nodes(tokens[-1], None)
             self._merge(nodes, chain, rate)
-            keep = self._select(nodes)
+            keep = self.budget.select(nodes)
         else:
             start = time.perf_counter()
             self._catch_up(tokens)
             nodes = self._grow(tokens[-1], max_len, chain, rate)
-            keep = self._select(nodes)
-            self._note_head_rate(nodes, keep, time.perf_counter() - start)
+            keep = self.budget.select(nodes)
+            if self.lookup is not None:
+                self.budget.note_head_rate(nodes, keep, time.perf_counter() - start)
         if not keep:
-            return Proposal([])
-        self.pending_prediction = sum(math.exp(nodes.scores[n]) for n in keep)
-        tree = nodes.tree(keep)
-        return Proposal(tree.tokens[1:].tolist(), tree=tree)
+            return Proposal.chain(tokens[-1], [])
+        self.budget.expect(nodes, keep)
+        return Proposal(nodes.tree(keep))
 
     def _catch_up(self, tokens: list[int]) -> None:
         """Run the head over the pairs (feature t, token t + 1) committed since the last step."""
@@ -244,8 +244,7 @@ class EagleProposer(Proposer):
         for i, node in enumerate(expand):
             nodes.outputs[node] = out[i]
         logp = self.m.log_probs(out)
-        elapsed = time.perf_counter() - start
-        self.level_seconds = elapsed if self.level_seconds is None else 0.8 * self.level_seconds + 0.2 * elapsed
+        self.budget.time_level(time.perf_counter() - start)
         return logp
 
     def _add_children(self, nodes: Nodes, parent: int, logp: torch.Tensor, ranks: list[int]) -> list[int]:
@@ -259,24 +258,7 @@ class EagleProposer(Proposer):
 
     def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
         # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
-        nodes.merge_chain(chain, rate, math.log(self._calibration()))
-
-    def _note_head_rate(self, nodes: Nodes, keep: list[int], head_seconds: float) -> None:
-        if self.lookup is not None and self.m.verify_seconds is not None:
-            expected = 1.0 + self._calibration() * sum(math.exp(nodes.scores[n]) for n in keep)
-            self.head_rate = expected / (self.m.verify_seconds(len(keep) + 1) + head_seconds)
-
-    def _lookup_alone_pays(self, chain: list[int], rate: float) -> bool:
-        """Whether verifying the lookup chain alone promises at least the tokens/s of the last head-drafted tree
-        (measured costs only): then this step skips the head, which would cost a step's drafting."""
-        if not chain or self.m.verify_seconds is None or self.head_rate is None:
-            return False
-        expected = 1.0
-        best = 0.0
-        for depth in range(1, len(chain) + 1):
-            expected += rate ** depth
-            best = max(best, expected / self.m.verify_seconds(depth + 1))
-        return best >= self.head_rate
+        nodes.merge_chain(chain, rate, math.log(self.budget.calibration))
 
     def _grow(self, root_token: int, max_len: int, chain: list[int], rate: float) -> Nodes:
         m = self.m
@@ -292,7 +274,7 @@ class EagleProposer(Proposer):
         self._merge(nodes, chain, rate)
         for _ in range(max_len - 1):
             expand = sorted(level, key=lambda n: -nodes.scores[n])[: m.top_k]
-            if not self._worth_another_level(nodes, expand):
+            if not self.budget.worth_another_level(nodes, expand):
                 break
             logp = self._run_level(nodes, expand)
             level = [child for i, node in enumerate(expand)
@@ -318,59 +300,100 @@ class EagleProposer(Proposer):
                     by_path[nodes.paths[child]] = child
             depth += 1
 
-    def _calibration(self) -> float:
-        return self.accepted / self.predicted
 
-    def _best_budget(self, nodes: Nodes) -> tuple[list[int], float]:
-        """The best nodes to verify and the expected tokens per second of verifying them."""
-        ranked = sorted(range(1, len(nodes.tokens)), key=lambda n: (-nodes.scores[n], nodes.depths[n]))
-        limit = len(ranked) if self.m.choices is not None else min(len(ranked),
-                                                                    self.m.total_tokens + nodes.looked_up)
-        if self.m.verify_seconds is None:
-            return ranked[:limit], 0.0
-        c = self._calibration()
-        probs = torch.tensor([nodes.scores[n] for n in ranked[:limit]]).exp()
-        expected = 1.0 + c * torch.cat([torch.zeros(1), probs.cumsum(0)])
-        drafting = (self.level_seconds or 0.0) * max(len(nodes.slots), 1) / max(self.m.top_k, 1)
-        seconds = torch.tensor([self.m.verify_seconds(n + 1) for n in range(limit + 1)]) + drafting
-        best = int((expected / seconds).argmax())
-        return ranked[:best], float(expected[best] / seconds[best])
+# ---- configuration --------------------------------------------------------------------------------------------
 
-    def _worth_another_level(self, nodes: Nodes, expand: list[int]) -> bool:
-        if self.m.verify_seconds is None or self.level_seconds is None:
-            return True
-        _, rate = self._best_budget(nodes)
-        gain = self._calibration() * sum(math.exp(nodes.scores[n]) for n in expand)
-        return gain / self.level_seconds > rate
-
-    def _select(self, nodes: Nodes) -> list[int]:
-        """The nodes to verify: all of a static tree, or (with measured costs) the budget's best closed subtree."""
-        if self.m.choices is not None and self.m.verify_seconds is None:
-            return list(range(1, len(nodes.tokens)))
-        keep = set(self._best_budget(nodes)[0])
-        # a child never outscores its parent, but ties could break the other way: keep the tree closed
-        return [n for n in keep if all(a in keep for a in nodes.ancestors(n))]
+DYNAMIC_TREE_KEYS = frozenset({"top_k", "depth", "total_token", "max_non_leaves_per_layer", "dynamic_tree_max_topK",
+                               "num_eagle_layers", "max_total_draft_tokens"})
 
 
-class LookupBranch:
-    """Prompt lookup for one request inside EAGLE trees, with its running accuracy per n-gram length: of the
-    lookup tokens whose predecessors were right, how many the target then produced (judged against the tokens
-    committed next, whether or not the budget verified them)."""
+@dataclass
+class EagleOptions(MethodOptions):
+    """Tree settings in the EAGLE repository's spelling (`top_k`, `total_token` = nodes including the root) or
+    TensorRT-LLM's (`max_non_leaves_per_layer` or `dynamic_tree_max_topK`, `max_total_draft_tokens`); the depth
+    (`depth` = levels after the first, `num_eagle_layers`) is read as max_draft_len by the model.yaml reader."""
 
-    def __init__(self, min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
-        self.right = {n: 1.0 for n in range(min_n, max_n + 1)}  # a prior of 1 right in 2
-        self.judged = {n: 2.0 for n in range(min_n, max_n + 1)}
-        self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
+    choices: list[list[int]] | None = None  # eagle_choices: EAGLE-1's static tree; None: mc_sim_7b_63
+    top_k: int = 8  # dynamic trees: children per expanded node and nodes expanded per level
+    total_tokens: int = 48  # dynamic trees: draft nodes at most (the budget may choose fewer)
+    layers: list[int] | None = None  # eagle3_layers_to_capture; None: the head's config or the default
+    lookup_branch: bool = False  # prompt_lookup_branch: merge prompt lookup's continuation into every tree
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | {
+        "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch",
+        "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to change here
+    EXCLUSIVE: ClassVar[dict[str, str]] = {"prompt_lookup_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)"}
 
-    def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], float]:
-        """The continuation (empty: no n-gram recurs) and its per-token accuracy estimate."""
-        if self.last is not None:
-            start, n, chain = self.last
-            committed = tokens[start:]
-            right = common_prefix_length(chain, committed)
-            self.right[n] += right
-            self.judged[n] += min(len(chain), right + 1, len(committed))
-        n, chain = ngram_lookup(tokens, max_len, self.min_n, self.max_n)
-        self.last = (len(tokens), n, chain) if chain else None
-        return chain, (self.right[n] / self.judged[n] if chain else 0.0)
+    @classmethod
+    def read(cls, settings: dict) -> dict:
+        out = {"choices": settings.get("eagle_choices"), **read_lookup_bounds(settings)}
+        for key in ("top_k", "max_non_leaves_per_layer", "dynamic_tree_max_topK"):
+            if key in settings:
+                out["top_k"] = int_at_least(settings[key], key)
+        if "total_token" in settings:
+            out["total_tokens"] = int_at_least(settings["total_token"], "total_token", 2) - 1
+        if "max_total_draft_tokens" in settings:
+            out["total_tokens"] = int_at_least(settings["max_total_draft_tokens"], "max_total_draft_tokens")
+        layers = settings.get("eagle3_layers_to_capture")
+        if layers is not None:
+            if not isinstance(layers, list) or len(layers) != 3:
+                raise ConfigError(f"eagle3_layers_to_capture must list 3 target layers, got {layers!r}")
+            out["layers"] = [int_at_least(layer, "eagle3_layers_to_capture", 1) for layer in layers]
+        if "prompt_lookup_branch" in settings:
+            out["lookup_branch"] = flag(settings["prompt_lookup_branch"], "prompt_lookup_branch")
+        return out
+
+    def check(self) -> None:
+        if self.lookup_branch:
+            check_lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+{NGRAM.name}" if self.lookup_branch else self.name
+
+
+def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
+    spec = target.model.spec
+    try:
+        head = load_eagle(options.model, "eagle3" if options.name == "eagle3" else "eagle", spec,
+                          dtype=target.model.dtype)
+        aux = options.layers or head.config.aux_layer_ids or default_aux_layer_ids(spec.num_layers)
+        if any(not 1 <= int(i) <= spec.num_layers for i in aux):
+            raise ValueError(f"EAGLE-3 target layers {aux} must lie in 1..{spec.num_layers}")
+        static = options.name == "eagle" or options.choices is not None
+        verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
+        lookup = (options.prompt_lookup_min, options.prompt_lookup_max) if options.lookup_branch else None
+        return EagleMethod(head, target.model, options.label, options.max_draft_len, top_k=options.top_k,
+                           total_tokens=options.total_tokens,
+                           choices=(options.choices or DEFAULT_CHOICES) if static else None, aux_layer_ids=aux,
+                           verify_seconds=verify_seconds, lookup=lookup)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"cannot use EAGLE head {options.model}: {exc}") from None
+
+
+def head_kind(directory: str) -> str | None:
+    """"eagle" / "eagle3" when the directory holds an EAGLE head of that layout, else None."""
+    path = Path(directory)
+    if not (path / "config.json").exists():
+        return None
+    try:
+        return detect_kind(read_state(path))
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def dynamic_if_asked(settings: dict) -> MethodEntry:
+    """`Eagle` with use_dynamic_tree or a dynamic-tree knob is EAGLE-2."""
+    return EAGLE2 if settings.get("use_dynamic_tree") or DYNAMIC_TREE_KEYS & set(settings) else EAGLE1
+
+
+HEAD = "the directory of the EAGLE head"
+EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
+                     combines=(NGRAM, "prompt_lookup_branch"), variant=dynamic_if_asked, sized_trees=True)
+EAGLE2 = MethodEntry("eagle2", EagleOptions, build, vllm=("eagle",), model_needed=HEAD,  # vLLM's EAGLE: dynamic
+                     holds_head=lambda directory: head_kind(directory) == "eagle", trains="eagle",
+                     combines=(NGRAM, "prompt_lookup_branch"), sized_trees=True)
+EAGLE3 = MethodEntry("eagle3", EagleOptions, build, trtllm="Eagle3", vllm=("eagle3",), model_needed=HEAD,
+                     holds_head=lambda directory: head_kind(directory) == "eagle3", trains="eagle3",
+                     combines=(NGRAM, "prompt_lookup_branch"), sized_trees=True)

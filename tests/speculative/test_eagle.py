@@ -11,17 +11,21 @@ import math
 import pytest
 import torch
 
-import specserve.spec.tree as tree_module
-from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, method_variant
+import specserve.speculative.verify as verify_module
+from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine,
+                              load_model_yaml)
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.spec.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.spec.eagle_draft import EagleMethod, EagleProposer, LookupBranch, Nodes
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
+from specserve.speculative.eagle_draft import EagleMethod, Nodes
+from specserve.speculative.lookup_branch import LookupBranch
+from specserve.speculative.registry import label, parse_method
+from specserve.speculative.tree_budget import TreeBudget
+from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
-from tests.test_batching import run_batched
-from tests.test_sampling_lossless import broken_residual, exact_joint, total_variation, tv_bound
+from tests.engine.test_batching import run_batched
+from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -33,10 +37,10 @@ def save_random(target, kind: str, directory, seed: int = 0, safetensors: bool =
     return save_eagle(new_eagle_head(target.model.spec, kind, vocab, seed=seed, std=0.2), directory, safetensors)
 
 
-def engine_for(target, method: str, head_dir, max_draft_len: int = 4, adaptive: bool = False, **knobs):
-    config = DeploymentConfig(model=str(target.path), method=method, speculative_model=str(head_dir),
-                              max_draft_len=max_draft_len, adaptive_draft_len=adaptive, **knobs)
-    return build_engine(config, target)
+def engine_for(target, method: str, head_dir, max_draft_len: int = 4, adaptive: bool = False, **settings):
+    """`settings`: speculative_config keys (top_k, max_total_draft_tokens, eagle_choices, prompt_lookup_branch)."""
+    spec = SpeculativeConfig(method, max_draft_len, str(head_dir), adaptive, settings)
+    return build_engine(DeploymentConfig(ModelConfig(str(target.path)), speculative=spec), target)
 
 
 # ---- layouts -------------------------------------------------------------------------------------------------
@@ -115,8 +119,8 @@ def test_mismatches_are_clear_errors(loaded, tmp_path, case, needle):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 @pytest.mark.parametrize("method,knobs", [
     ("eagle", {"eagle_choices": SMALL_CHOICES}),
-    ("eagle2", {"top_k": 3, "total_tokens": 10}),
-    ("eagle3", {"top_k": 4, "total_tokens": 16}),
+    ("eagle2", {"top_k": 3, "max_total_draft_tokens": 10}),
+    ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16}),
 ])
 def test_greedy_equals_plain(family, method, knobs, loaded, tmp_path):
     target = loaded(family)
@@ -150,7 +154,7 @@ REPEATING = "The quick brown fox jumps over the lazy dog. The quick brown fox ju
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("method,knobs", [
     ("eagle", {"eagle_choices": SMALL_CHOICES}),
-    ("eagle3", {"top_k": 4, "total_tokens": 16}),
+    ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16}),
 ])
 def test_lookup_branch_greedy_equals_plain(family, method, knobs, loaded, tmp_path):
     target = loaded(family)
@@ -176,8 +180,8 @@ def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path, monkeypatch):
     head = save_random(target, "eagle3", tmp_path / "h")
     engine = engine_for(target, "eagle3", head, 5, adaptive=True, prompt_lookup_branch=True)
     choices = []
-    decide = EagleProposer._lookup_alone_pays
-    monkeypatch.setattr(EagleProposer, "_lookup_alone_pays",
+    decide = TreeBudget.lookup_alone_pays
+    monkeypatch.setattr(TreeBudget, "lookup_alone_pays",
                         lambda self, chain, rate: choices.append(decide(self, chain, rate)) or choices[-1])
     for prompt in PROMPTS + [REPEATING]:
         params = SamplingParams(max_tokens=30)
@@ -219,16 +223,17 @@ def test_lookup_branch_config_and_names(tmp_path):
     path.write_text("model: m\nspeculative_config:\n  decoding_type: Eagle3\n  speculative_model: h\n"
                     "  prompt_lookup_branch: true\n  prompt_lookup_max: 4\n")
     config = load_model_yaml(path)
-    assert (config.method, config.prompt_lookup_branch, config.prompt_lookup_max) == ("eagle3", True, 4)
-    assert config.method_label == "eagle3+ngram"
+    options = config.speculative.options
+    assert (options.name, options.lookup_branch, options.prompt_lookup_max) == ("eagle3", True, 4)
+    assert config.speculative.label == "eagle3+ngram"
     path.write_text("model: m\nspeculative_config:\n  decoding_type: NGram\n  prompt_lookup_branch: true\n")
     with pytest.raises(ConfigError, match="prompt_lookup_branch is for EAGLE"):
         load_model_yaml(path)
-    assert method_variant("Eagle3+prompt_lookup") == ("eagle3", True)
-    assert method_variant("eagle2") == ("eagle2", False)
+    assert label("Eagle3+prompt_lookup") == "eagle3+ngram"
+    assert parse_method("eagle2")[1] == {"prompt_lookup_branch": False}
     for bad in ("ngram+ngram", "eagle3+medusa"):
         with pytest.raises(ConfigError, match=r"'\+ngram' follows eagle"):
-            method_variant(bad)
+            parse_method(bad)
 
 
 # ---- a trained head: accepted paths, stops inside them, batching, sampling ---------------------------------------
@@ -314,7 +319,7 @@ def test_head_cache_follows_the_committed_tokens(stories):
     from specserve.models.kv_cache import KVCache
     cache = KVCache.for_model(target.model, 1, 200)
     while not seq.finished:
-        seq.draft(5)
+        engine.draft([seq], 5)
         engine.forward(cache, [seq])
     proposer = seq.proposer
     committed = seq.tokens
@@ -335,7 +340,7 @@ def test_head_cache_follows_the_committed_tokens(stories):
 
 def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
     target, heads = stories
-    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, total_tokens=4, prompt_lookup_branch=lookup)
+    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, max_total_draft_tokens=4, prompt_lookup_branch=lookup)
     # a training prompt: the head's drafts land in the support; repeated, so that the lookup branch has chains
     prompt_ids = engine.encode(f"{STORY_PROMPTS[0]}, there was a girl. {STORY_PROMPTS[0]}" if lookup
                                else STORY_PROMPTS[0])
@@ -352,33 +357,31 @@ def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "tree+lookup"])
 def test_sampling_keeps_target_distribution(stories, lookup):
     counts, expected = eagle_statistics(stories, lookup=lookup)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)
 
 
 def test_broken_sibling_resampling_is_caught(stories, monkeypatch):
-    monkeypatch.setattr(tree_module, "residual_distribution", broken_residual)
+    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
     counts, expected = eagle_statistics(stories)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) > tv_bound(len(expected), n)
+    assert not follows(counts, expected)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------
 
 def test_model_yaml_eagle_spellings(tmp_path):
-    def parse(body: str) -> DeploymentConfig:
+    def parse(body: str) -> SpeculativeConfig:
         path = tmp_path / "model.yaml"
         path.write_text("model: m\nspeculative_config:\n" + body)
-        return load_model_yaml(path)
+        return load_model_yaml(path).speculative
 
     static = parse("  decoding_type: Eagle\n  max_draft_len: 5\n  speculative_model: h\n"
                    "  eagle_choices: [[0], [0, 0]]\n")
-    assert (static.method, static.max_draft_len, static.eagle_choices) == ("eagle", 5, [[0], [0, 0]])
+    assert (static.method, static.max_draft_len, static.options.choices) == ("eagle", 5, [[0], [0, 0]])
     repo = parse("  decoding_type: Eagle\n  speculative_model: h\n  top_k: 10\n  depth: 5\n  total_token: 60\n")
-    assert (repo.method, repo.top_k, repo.max_draft_len, repo.total_tokens) == ("eagle2", 10, 6, 59)
+    assert (repo.method, repo.options.top_k, repo.max_draft_len, repo.options.total_tokens) == ("eagle2", 10, 6, 59)
     trt = parse("  decoding_type: Eagle3\n  speculative_model: h\n  num_eagle_layers: 4\n"
                 "  max_non_leaves_per_layer: 6\n  max_total_draft_tokens: 30\n  eagle3_layers_to_capture: [1, 3, 5]\n")
-    assert (trt.method, trt.max_draft_len, trt.top_k, trt.total_tokens, trt.eagle3_layers) == \
+    assert (trt.method, trt.max_draft_len, trt.options.top_k, trt.options.total_tokens, trt.options.layers) == \
         ("eagle3", 4, 6, 30, [1, 3, 5])
     assert parse("  decoding_type: Eagle\n  use_dynamic_tree: true\n").method == "eagle2"
     with pytest.raises(ConfigError, match="eagle3_layers_to_capture"):
@@ -398,7 +401,7 @@ def test_eagle3_from_model_yaml_through_the_cli(loaded, checkpoint, tmp_path):
 
     from specserve.cli import app
     target = loaded("qwen3")
-    head = save_random(target, "eagle3", tmp_path / "head")
+    save_random(target, "eagle3", tmp_path / "head")  # the model.yaml names it ./head
     yaml_file = tmp_path / "model.yaml"
     yaml_file.write_text(f"model: {checkpoint('qwen3')}\ndtype: float32\nspeculative_config:\n"
                          f"  decoding_type: Eagle3\n  max_draft_len: 3\n  speculative_model: ./head\n"
@@ -421,7 +424,7 @@ def test_target_cache_after_many_tree_steps_equals_plain_prefill(stories):
     cache = KVCache.for_model(target.model, 1, 200)
     accepted = 0
     while not seq.finished:
-        seq.draft(5)
+        engine.draft([seq], 5)
         engine.forward(cache, [seq])
         accepted = seq.metrics.total_accepted_draft_tokens
     assert accepted > 5

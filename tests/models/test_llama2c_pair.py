@@ -10,10 +10,11 @@ import torch
 
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
 STORIES = SHARED / "stories260K"
 # llama2.c's documented temperature-0 story for stories260K, from BOS alone (shared/models/README.md)
 EXPECTED = [403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337,

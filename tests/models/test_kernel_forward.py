@@ -13,8 +13,9 @@ from specserve.models import cpu_kernels as ck
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import load_model
 from specserve.models.transformer import RMSNorm, rotate_half
-from specserve.spec.proposers import DraftModelMethod, NGramMethod
-from specserve.spec.sampling import SamplingParams
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.sampling import SamplingParams
 
 if not ck.available():
     pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)

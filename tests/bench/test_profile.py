@@ -121,7 +121,7 @@ def test_convert_dataset_semantics(tmp_path):
 
 
 def test_convert_the_humaneval_file(tmp_path):
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval_question.jsonl"
+    data = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval_question.jsonl"
     if not data.exists():
         pytest.skip("shared/data is not beside the checkout")
     count = convert_dataset(data, tmp_path / "converted.jsonl")
@@ -297,7 +297,7 @@ def test_request_rate_and_default_artifact_dir(server, prompts_file, tmp_path, m
     result = invoke("profile", "-m", "tensorrt_llm", "--input-file", prompts_file, "--url", server.host_port,
                     "--request-rate", 50, "--request-distribution", "poisson", "--request-count", 3,
                     "--output-tokens-mean", 4, "--warmup-request-count", 0, "--tokenizer",
-                    server.repository.models["base"].source.config.model)
+                    server.repository.models["base"].source.config.model.source)
     assert result.exit_code == 0, result.output
     export = tmp_path / "artifacts" / "tensorrt_llm-triton-tensorrtllm-request_rate50" / "profile_export.json"
     doc = read_export(export)

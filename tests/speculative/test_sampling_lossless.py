@@ -13,12 +13,13 @@ from collections import Counter
 import pytest
 import torch
 
-import specserve.spec.verify as verify_module
+import specserve.speculative.verify as verify_module
 from specserve.engine.engine import Engine
 from specserve.models.kv_cache import KVCache
-from specserve.spec.proposers import DraftModelMethod
-from specserve.spec.sampling import SamplingParams, probabilities, sample
-from specserve.spec.verify import verify_sampling
+from specserve.speculative.draft_model import DraftModelMethod
+from specserve.speculative.sampling import SamplingParams, probabilities, sample
+from specserve.speculative.tree import Chain
+from specserve.speculative.verify import verify
 
 DELTA = 1e-4
 
@@ -30,6 +31,12 @@ def tv_bound(outcomes: int, samples: int) -> float:
 def total_variation(counts: Counter, expected: dict, samples: int) -> float:
     keys = set(counts) | set(expected)
     return 0.5 * sum(abs(counts.get(k, 0) / samples - expected.get(k, 0.0)) for k in keys)
+
+
+def follows(counts: Counter, expected: dict) -> bool:
+    """Whether sampled outcome counts are within the bound of the distribution `expected`."""
+    n = sum(counts.values())
+    return total_variation(counts, expected, n) < tv_bound(len(expected), n)
 
 
 def broken_residual(p, q):
@@ -49,7 +56,7 @@ def chain_statistics(deterministic: bool, samples: int = 20000):
         draft = [int(t) for t in sample(q, gen)]
         if deterministic:  # an n-gram-like fixed draft: the likeliest tokens, so some get accepted
             draft = p[:k].argmax(-1).tolist()
-        verdict = verify_sampling(draft, None if deterministic else q, p_logits, params, gen)
+        verdict = verify(Chain(0, draft), p_logits, params, gen, None if deterministic else q)
         first[verdict.tokens[0]] += 1
         if verdict.accepted >= 1:
             second[verdict.tokens[1]] += 1
@@ -120,15 +127,13 @@ def engine_statistics(loaded):
 
 def test_engine_sampling_keeps_target_distribution(loaded):
     counts, expected = engine_statistics(loaded)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)
 
 
 def test_engine_with_broken_verifier_fails(loaded, monkeypatch):
     monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
     counts, expected = engine_statistics(loaded)
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) > tv_bound(len(expected), n)
+    assert not follows(counts, expected)
 
 
 def test_engine_sampling_keeps_a_quantized_target_distribution(checkpoint, loaded):
@@ -138,5 +143,4 @@ def test_engine_sampling_keeps_a_quantized_target_distribution(checkpoint, loade
     target = load_model(checkpoint("llama"), dtype=torch.float32, quantization="int4")
     draft = perturbed_copy(loaded("llama").model, 0.5)
     counts, expected = sample_three_tokens(Engine(target, DraftModelMethod(draft, target.model.spec.vocab_size), 3))
-    n = sum(counts.values())
-    assert total_variation(counts, expected, n) < tv_bound(len(expected), n)
+    assert follows(counts, expected)

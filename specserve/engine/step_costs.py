@@ -1,0 +1,86 @@
+"""The target's measured cost of one forward by the number of tokens in it: what drafting trades against.
+
+`StepCosts` times forwards of 1..64 tokens once; the batch engine picks draft lengths from it and EAGLE's tree
+budget sizes trees with it (`target_verify_seconds`, kept in the cache directory across starts).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.models import cpu_kernels
+from specserve.models.kv_cache import KVCache
+from specserve.models.loader import LoadedModel, cache_root
+
+
+class StepCosts:
+    """Seconds per target forward by total tokens in it, measured once (interpolated in between)."""
+
+    SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self, model, rows: int, seconds: list[float] | None = None):
+        self.sizes = list(self.SIZES)
+        if seconds is not None:  # measured earlier (a cached table)
+            self.seconds = list(seconds)
+            return
+        # rounds over all sizes, least disturbed reading per size: a burst of load hits one round, not one size
+        rounds = [[self._measure(model, s, rows) for s in self.sizes] for _ in range(3)]
+        measured = [min(readings) for readings in zip(*rounds)]
+        # a smaller forward never costs more: a bigger reading is noise (another process took the CPU; noise only
+        # adds time), so it is clipped to the sizes above, rather than raising them all (which made drafting
+        # look far dearer than it is and stopped it at concurrency 1)
+        self.seconds = [min(measured[i:]) for i in range(len(measured))]
+
+    @staticmethod
+    def _measure(model, total: int, rows: int) -> float:
+        batch = min(rows, total)
+        width = -(-total // batch)
+        cache = KVCache.for_model(model, batch, width + 1)
+        positions = torch.arange(width)[None].expand(batch, width)
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        model(tokens, positions, cache, positions)
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model(tokens, positions, cache, positions)
+            timings.append(time.perf_counter() - start)
+        return min(timings)  # the least disturbed run
+
+    def __call__(self, total: int) -> float:
+        for (s0, c0), (s1, c1) in zip(zip(self.sizes, self.seconds), zip(self.sizes[1:], self.seconds[1:])):
+            if total <= s1:
+                return c0 + (c1 - c0) * max(total - s0, 0) / (s1 - s0)
+        return self.seconds[-1] * total / self.sizes[-1]
+
+
+_VERIFY_COSTS: dict[int, StepCosts] = {}
+
+
+def target_verify_seconds(target: LoadedModel) -> StepCosts:
+    """The target's measured cost of one forward of n tokens: measured once per model, dtype and machine, and
+    kept in the cache directory (a few seconds saved on every later start)."""
+    if id(target.model) in _VERIFY_COSTS:
+        return _VERIFY_COSTS[id(target.model)]
+    key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|" \
+          f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}|" \
+          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}"
+    file = cache_root() / "verify_costs.json"
+    try:
+        table = json.loads(file.read_text()) if file.exists() else {}
+    except ValueError:
+        table = {}
+    if key in table:
+        costs = StepCosts(None, 1, table[key])
+    else:
+        costs = StepCosts(target.model, rows=1)
+        table[key] = costs.seconds
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(file)
+    _VERIFY_COSTS[id(target.model)] = costs
+    return costs

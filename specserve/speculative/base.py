@@ -1,0 +1,147 @@
+"""What a speculation method is made of.
+
+At run time a method is a `SpecMethod` (shared resources such as draft weights, built once per engine) that makes
+one `Proposer` per request (per-request state such as a draft KV cache); each step a proposer returns a
+`Proposal`: a draft tree (a chain for chain methods) that the target verifies in one forward.
+
+To the configuration a method is a `MethodEntry` in `registry.py`: its names (canonical and vendor spellings), its
+`MethodOptions` (the `speculative_config` keys it reads, their defaults and checks) and `build(options, target)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from specserve.checks import ConfigError
+from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.tree import Chain, DraftTree
+from specserve.speculative.verify import TypicalAcceptance
+
+
+@dataclass
+class Proposal:
+    tree: DraftTree  # node 0: the root (the pending token); the nodes below it: the draft
+    probs: torch.Tensor | None = None  # [N-1, V]: row i the q node i's children were drawn from; None: deterministic
+    typical: TypicalAcceptance | None = None  # verify with Medusa's typical acceptance when sampling (lossy)
+
+    @classmethod
+    def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None) -> Proposal:
+        return cls(Chain(root, draft), probs)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The draft tokens (the tree's nodes below the root, in node order)."""
+        return self.tree.draft
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, tokens: list[int], max_len: int) -> Proposal:
+        """Draft up to max_len tokens (a tree: up to max_len deep) to follow `tokens` (prompt + generated); the
+        root is tokens[-1]."""
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        """The target's features [n, F] of the n tokens the last forward committed, in order (for methods that
+        draft from them): the method's `hidden_layers` concatenated."""
+
+
+class Drafting(Protocol):
+    """A request as `propose_batch` sees it."""
+
+    proposer: Proposer
+    context: list[int]  # prompt + generated tokens; the last one is the root of the next draft
+
+    def draft_room(self, max_len: int) -> int:
+        """max_len, cut to what the request may still emit."""
+
+
+class SpecMethod(ABC):
+    name: str
+    needs_hidden_states = False  # whether proposers want observe_hidden() after every target forward
+    hidden_layers: tuple[int, ...] = (-1,)  # the target layers whose outputs form a feature (-1: final normed)
+    budgets_itself = False  # whether proposers size their drafts from measured costs (the batch then does not)
+    lossless = True  # False: sampled outputs do not follow the target's distribution exactly
+
+    def draft_slots(self, max_draft_len: int) -> int:
+        """KV slots a verify step may take beyond the committed tokens (a tree: all its nodes)."""
+        return max_draft_len + 1
+
+    @abstractmethod
+    def new_proposer(self, params: SamplingParams, generator: torch.Generator, capacity: int) -> Proposer:
+        """A proposer for one request whose sequence will not exceed `capacity` tokens."""
+
+    def propose_batch(self, seqs: list[Drafting], max_len: int) -> list[Proposal | Exception]:
+        """A draft for each request; a method that drafts a whole batch in one call overrides this loop. A
+        proposer's failure ends only its own request, so it is returned in that request's place."""
+        out: list[Proposal | Exception] = []
+        for seq in seqs:
+            try:
+                out.append(seq.proposer.propose(seq.context, seq.draft_room(max_len)))
+            except Exception as exc:  # noqa: BLE001 - the engine ends that request alone
+                out.append(exc)
+        return out
+
+
+@dataclass
+class MethodOptions:
+    """The settings every method takes; a method's subclass adds the `speculative_config` keys it reads."""
+
+    name: str = ""  # the method's canonical name
+    model: str | None = None  # the draft model or the head's directory (`speculative_model`)
+    max_draft_len: int = 4
+    adaptive_draft_len: bool = True
+    KEYS: ClassVar[frozenset[str]] = frozenset()  # the speculative_config keys `read` understands
+    # keys that only mean something for this method, and the owner as the error names it when another method has them
+    EXCLUSIVE: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def read(cls, settings: dict) -> dict:
+        """This method's fields from speculative_config settings (ConfigError naming the key if one is bad)."""
+        return {}
+
+    def check(self) -> None:
+        """ConfigError for a combination of values that cannot work."""
+
+    @property
+    def label(self) -> str:
+        """The method as the command line and the metrics name it."""
+        return self.name
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    """A method as the configuration knows it."""
+
+    name: str  # canonical: the command line's, the metrics' and the bench's name
+    options: type[MethodOptions]
+    build: Callable[[MethodOptions, object], SpecMethod]  # (options, target LoadedModel) -> the method
+    aliases: tuple[str, ...] = ()  # other spellings (TRT-LLM decoding_type, SGLang), lower case
+    trtllm: str | None = None  # TRT-LLM's decoding_type, as TRT-LLM writes it
+    vllm: tuple[str, ...] = ()  # vLLM's `method` spellings; they win over `aliases` in a vLLM model.json
+    model_needed: str | None = None  # what speculative_model must name, when the method needs one
+    any_model: bool = False  # its model may be any checkpoint (a vLLM draft naming a head becomes that head's)
+    holds_head: Callable[[str], bool] | None = None  # whether a directory holds this method's head
+    trains: str | None = None  # the `specserve train` kind that makes its head
+    # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on)
+    combines: tuple[MethodEntry, str] | None = None
+    variant: Callable[[dict], MethodEntry] | None = None  # a model.yaml's settings may pick a sibling method
+    sized_trees: bool = False  # drafts trees sized by top_k / max_total_draft_tokens (bench --tree-costs)
+
+    def parse(self, spec) -> MethodOptions:
+        """Typed, checked options from a SpeculativeConfig (its common fields and its settings)."""
+        common = {"name": self.name, "model": spec.model, "max_draft_len": spec.max_draft_len,
+                  "adaptive_draft_len": spec.adaptive_draft_len}
+        options = self.options(**{**common, **self.options.read(spec.settings)})
+        options.check()
+        return options
+
+    def create(self, spec, target) -> SpecMethod:
+        options = self.parse(spec)
+        if self.model_needed and not options.model:
+            raise ConfigError(f"{self.name} needs speculative_model ({self.model_needed})")
+        return self.build(options, target)

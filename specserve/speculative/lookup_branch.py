@@ -1,0 +1,30 @@
+"""Prompt lookup as a branch of a drafted tree (EAGLE's `prompt_lookup_branch`, `eagle3+ngram`): per request, the
+n-gram continuation of the sequence (as `ngram` drafts it) and how often such continuations turned out right."""
+
+from __future__ import annotations
+
+from specserve.speculative.ngram import common_prefix_length, ngram_lookup
+
+
+class LookupBranch:
+    """Prompt lookup for one request inside EAGLE trees, with its running accuracy per n-gram length: of the
+    lookup tokens whose predecessors were right, how many the target then produced (judged against the tokens
+    committed next, whether or not the budget verified them)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.right = {n: 1.0 for n in range(min_n, max_n + 1)}  # a prior of 1 right in 2
+        self.judged = {n: 2.0 for n in range(min_n, max_n + 1)}
+        self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
+
+    def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], float]:
+        """The continuation (empty: no n-gram recurs) and its per-token accuracy estimate."""
+        if self.last is not None:
+            start, n, chain = self.last
+            committed = tokens[start:]
+            right = common_prefix_length(chain, committed)
+            self.right[n] += right
+            self.judged[n] += min(len(chain), right + 1, len(committed))
+        n, chain = ngram_lookup(tokens, max_len, self.min_n, self.max_n)
+        self.last = (len(tokens), n, chain) if chain else None
+        return chain, (self.right[n] / self.judged[n] if chain else 0.0)

@@ -1,0 +1,97 @@
+"""Prompt lookup (n-gram) speculation: the draft is what followed the latest earlier occurrence of the sequence's
+longest recurring suffix n-gram. No model, no training; it pays where outputs copy their prompt (code, edits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from specserve.checks import ConfigError, int_at_least
+from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+
+
+def longest_ngram_continuation(tokens: list[int], max_len: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix n-gram
+    (max_n down to min_n) of `tokens`, at most max_len of them; [] if no n-gram recurs."""
+    return ngram_lookup(tokens, max_len, min_n, max_n)[1]
+
+
+def ngram_lookup(tokens: list[int], max_len: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """`longest_ngram_continuation` and the n of the n-gram that matched (0 when none did)."""
+    length = len(tokens)
+    if max_len <= 0 or length < min_n + 1:
+        return 0, []
+    seq = torch.tensor(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # n-grams that end before the last token, so a continuation exists
+        hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return n, tokens[start:start + max_len]
+    return 0, []
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class NGramProposer(Proposer):
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: list[int], max_len: int) -> Proposal:
+        return Proposal.chain(tokens[-1], longest_ngram_continuation(tokens, max_len, self.min_n, self.max_n))
+
+
+class NGramMethod(SpecMethod):
+    name = "ngram"
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
+        check_lookup_bounds(prompt_lookup_min, prompt_lookup_max, ValueError)
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+
+    def new_proposer(self, params, generator, capacity) -> Proposer:
+        return NGramProposer(self.min_n, self.max_n)
+
+
+def check_lookup_bounds(min_n: int, max_n: int, error=ConfigError) -> None:
+    if not 1 <= min_n <= max_n:
+        raise error(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
+
+
+LOOKUP_KEYS = frozenset({"prompt_lookup_min", "prompt_lookup_max", "max_matching_ngram_size"})
+
+
+def read_lookup_bounds(settings: dict) -> dict:
+    """prompt_lookup_min / prompt_lookup_max (TRT-LLM's NGram spells the latter max_matching_ngram_size)."""
+    out = {}
+    for key, spellings in (("prompt_lookup_min", ("prompt_lookup_min",)),
+                           ("prompt_lookup_max", ("prompt_lookup_max", "max_matching_ngram_size"))):
+        given = next((k for k in spellings if k in settings), None)
+        if given is not None:
+            out[key] = int_at_least(settings[given], given)
+    return out
+
+
+@dataclass
+class NGramOptions(MethodOptions):
+    prompt_lookup_min: int = 1  # the shortest n-gram to match
+    prompt_lookup_max: int = 3  # the longest n-gram to match
+    KEYS: ClassVar[frozenset[str]] = LOOKUP_KEYS
+
+    @classmethod
+    def read(cls, settings: dict) -> dict:
+        return read_lookup_bounds(settings)
+
+    def check(self) -> None:
+        check_lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+NGRAM = MethodEntry(NGramMethod.name, NGramOptions, lambda o, target: NGramMethod(o.prompt_lookup_min, o.prompt_lookup_max),
+                    aliases=("prompt_lookup",), trtllm="NGram", vllm=("ngram", "[ngram]"))

@@ -1,0 +1,91 @@
+"""The hardware-aware size of a drafted tree: how many of its nodes to verify, and whether to draft another level.
+
+A node's score is its path's cumulative draft log-probability, so exp(score) estimates the chance the target
+accepts the whole path. With the target's measured verify cost `verify_seconds(n)` the budget keeps the N best
+nodes that maximize (1 + c * sum of their path probabilities) / (verify cost of N + 1 tokens + drafting time), and
+drafts another level only while its best possible gain per second beats that rate; c calibrates the head's
+confidence against the acceptance it actually gets (accepted tokens / predicted, smoothed by a prior of 1 / 1).
+Without measured costs a dynamic tree keeps its `total_tokens` best nodes and a static tree all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+
+class TreeBudget:
+    """One request's budget; `nodes` is the growing tree (`eagle_draft.Nodes`)."""
+
+    def __init__(self, verify_seconds: Callable[[int], float] | None, top_k: int, total_tokens: int, static: bool):
+        self.verify_seconds = verify_seconds
+        self.top_k, self.total_tokens, self.static = top_k, total_tokens, static
+        self.predicted, self.accepted = 1.0, 1.0
+        self.pending_prediction: float | None = None  # the path probabilities of the tree under verification
+        self.level_seconds: float | None = None  # drafting one level, smoothed
+        self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
+
+    @property
+    def calibration(self) -> float:
+        return self.accepted / self.predicted
+
+    def expect(self, nodes, keep: list[int]) -> None:
+        """The tree of `keep` goes to verification: remember what it predicts."""
+        self.pending_prediction = sum(math.exp(nodes.scores[n]) for n in keep)
+
+    def observe(self, accepted: int) -> None:
+        """The target accepted `accepted` nodes of the last tree."""
+        if self.pending_prediction is not None:
+            self.predicted += self.pending_prediction
+            self.accepted += accepted
+            self.pending_prediction = None
+
+    def time_level(self, elapsed: float) -> None:
+        self.level_seconds = elapsed if self.level_seconds is None else 0.8 * self.level_seconds + 0.2 * elapsed
+
+    def best(self, nodes) -> tuple[list[int], float]:
+        """The best nodes to verify and the expected tokens per second of verifying them."""
+        ranked = sorted(range(1, len(nodes.tokens)), key=lambda n: (-nodes.scores[n], nodes.depths[n]))
+        limit = len(ranked) if self.static else min(len(ranked), self.total_tokens + nodes.looked_up)
+        if self.verify_seconds is None:
+            return ranked[:limit], 0.0
+        probs = torch.tensor([nodes.scores[n] for n in ranked[:limit]]).exp()
+        expected = 1.0 + self.calibration * torch.cat([torch.zeros(1), probs.cumsum(0)])
+        drafting = (self.level_seconds or 0.0) * max(len(nodes.slots), 1) / max(self.top_k, 1)
+        seconds = torch.tensor([self.verify_seconds(n + 1) for n in range(limit + 1)]) + drafting
+        best = int((expected / seconds).argmax())
+        return ranked[:best], float(expected[best] / seconds[best])
+
+    def worth_another_level(self, nodes, expand: list[int]) -> bool:
+        if self.verify_seconds is None or self.level_seconds is None:
+            return True
+        _, rate = self.best(nodes)
+        gain = self.calibration * sum(math.exp(nodes.scores[n]) for n in expand)
+        return gain / self.level_seconds > rate
+
+    def select(self, nodes) -> list[int]:
+        """The nodes to verify: all of a static tree, or (with measured costs) the budget's best closed subtree."""
+        if self.static and self.verify_seconds is None:
+            return list(range(1, len(nodes.tokens)))
+        keep = set(self.best(nodes)[0])
+        # a child never outscores its parent, but ties could break the other way: keep the tree closed
+        return [n for n in keep if all(a in keep for a in nodes.ancestors(n))]
+
+    def note_head_rate(self, nodes, keep: list[int], head_seconds: float) -> None:
+        if self.verify_seconds is not None:
+            expected = 1.0 + self.calibration * sum(math.exp(nodes.scores[n]) for n in keep)
+            self.head_rate = expected / (self.verify_seconds(len(keep) + 1) + head_seconds)
+
+    def lookup_alone_pays(self, chain: list[int], rate: float) -> bool:
+        """Whether verifying the lookup chain alone promises at least the tokens/s of the last head-drafted tree
+        (measured costs only): then a step skips the head, which would cost a step's drafting."""
+        if not chain or self.verify_seconds is None or self.head_rate is None:
+            return False
+        expected = 1.0
+        best = 0.0
+        for depth in range(1, len(chain) + 1):
+            expected += rate ** depth
+            best = max(best, expected / self.verify_seconds(depth + 1))
+        return best >= self.head_rate

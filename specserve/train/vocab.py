@@ -1,0 +1,22 @@
+"""Draft vocabularies: the target tokens a draft scores (on a 262k vocabulary the lm_head is most of a small
+draft's cost), and labels mapped into them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_draft_vocab(records: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens in the data (labels and text), ties by id; sorted ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(torch.cat([r["labels"], r["tokens"]]), minlength=vocab_size)[:vocab_size]
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:min(size, vocab_size)]))
+
+
+def subset_labels(labels: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target ids -> positions in the draft vocabulary (-100, ignored by the loss, for ids outside it)."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long, device=labels.device)
+    index[vocab_ids] = torch.arange(vocab_ids.numel(), device=labels.device)
+    return index[labels]
