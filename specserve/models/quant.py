@@ -25,7 +25,7 @@ block of 32 (as llama.cpp does) and sums q * p in integers, so a row's result do
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -187,6 +187,7 @@ class PackedWeight:
     group: int
     zero: int
     kind: str
+    _args: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see kernel_arguments
 
     @classmethod
     def from_codes(cls, codes: Codes) -> "PackedWeight":
@@ -242,6 +243,7 @@ class PackedWeight:
             for name in _TENSOR_FIELDS:
                 if getattr(fused, name) is not None:
                     setattr(part, name, getattr(fused, name)[start:start + tiles])
+            part._args = None  # its tensors changed
             start += tiles
         return fused
 
@@ -254,9 +256,16 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
 
+    @property
+    def kernel_arguments(self) -> tuple[list, ...]:
+        """kernel_args([self]), built on first use and kept: a decoding step makes dozens of kernel calls."""
+        if self._args is None:
+            self._args = kernel_args([self])
+        return self._args
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
         """x [..., K] (bf16 or fp32) @ W.T + bias -> [..., N] in x's dtype (fp32 with out_fp32)."""
-        return packed_matmul(x, [self], bias, out_fp32)
+        return packed_matmul(x, [self], bias, out_fp32, args=self.kernel_arguments)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (fp32 [..., K])."""
@@ -303,13 +312,21 @@ def load_packed(path) -> dict[str, PackedWeight] | None:
                 for name, fields in json.loads(header["specserve_packed"]).items()}
 
 
+def kernel_args(weights: list[PackedWeight]) -> tuple[list, ...]:
+    """The kernel's per-weight argument lists for these weights: (qs, planes, scales, offsets, N, bits, group,
+    zero), each a list with one entry per weight."""
+    fields = [list(field) for field in zip(*(w.tensors for w in weights))]
+    formats = [[getattr(w, name) for w in weights] for name in ("out_features", "bits", "group", "zero")]
+    return (*fields, *formats)
+
+
 def packed_matmul(x: torch.Tensor, weights: list[PackedWeight], bias: torch.Tensor | None = None,
-                  out_fp32: bool = False) -> torch.Tensor:
-    """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input in one kernel call."""
-    fields = list(zip(*(w.tensors for w in weights)))
-    y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), *fields, bias, [w.out_features for w in weights],
-                               [w.bits for w in weights], [w.group for w in weights], [w.zero for w in weights],
-                               out_fp32, isa())
+                  out_fp32: bool = False, args: tuple[list, ...] | None = None) -> torch.Tensor:
+    """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input in one kernel call
+    (`args`: their kernel_args, when kept from an earlier call)."""
+    qs, planes, scales, offsets, *formats = args or kernel_args(weights)
+    y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), qs, planes, scales, offsets, bias, *formats, out_fp32,
+                               isa())
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -371,9 +388,10 @@ class FusedQuantLinear(nn.Module):
         biases = [layer.bias for layer in layers]
         self.bias = None if biases[0] is None else torch.cat(biases)
         self.out_features = sum(layer.out_features for layer in layers)
+        self.args = kernel_args(self.weights)  # built once: this runs several times in every decoding step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.weights, self.bias)
+        return packed_matmul(x, self.weights, self.bias, args=self.args)
 
 
 class QuantEmbedding(nn.Module):

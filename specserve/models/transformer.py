@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
+from specserve.models.kernel_forward import kernel_layers
 from specserve.models.kv_cache import KVCache
 from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear
 
@@ -51,25 +52,16 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-def linear(x: torch.Tensor, layer: nn.Module, row_invariant: bool) -> torch.Tensor:
-    if isinstance(layer, QuantLinear):  # row-invariant at any row count
-        return layer(x)
-    if row_invariant:
-        return cpu_kernels.small_linear(x, layer.weight, layer.bias)
-    if f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_LAYER_ROWS):
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """A linear of the PyTorch path (the row-invariant one is in kernel_forward.py)."""
+    if not isinstance(layer, QuantLinear) and f32_kernel_fits(layer.weight, x, F32_KERNEL_MAX_LAYER_ROWS):
         return cpu_kernels.f32_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
-def fused_or_parts(fused: FusedQuantLinear | tuple | torch.Tensor | None, parts: list[nn.Module], x: torch.Tensor,
-                   row_invariant: bool) -> list[torch.Tensor]:
-    """[y] from the fused weight of several linears over x when there is one for this path, else [y_i] per part."""
-    if isinstance(fused, FusedQuantLinear):
-        return [fused(x)]
-    if row_invariant and fused is not None:  # one kernel call instead of several
-        return [cpu_kernels.small_linear(x, *fused) if isinstance(fused, tuple) else
-                cpu_kernels.small_linear(x, fused)]
-    return [linear(x, part, row_invariant) for part in parts]
+def fused_or_parts(fused: FusedQuantLinear | None, parts: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """[y] from the quantized fused weight of several linears over x when there is one, else [y_i] per part."""
+    return [fused(x)] if fused is not None else [linear(x, part) for part in parts]
 
 
 @dataclass
@@ -212,9 +204,9 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights for the kernels
         self.qkv_quant: FusedQuantLinear | None = None
 
-    def project(self, x: torch.Tensor, row_invariant: bool):
+    def project(self, x: torch.Tensor):
         projections = [self.q_proj, self.k_proj, self.v_proj]
-        outputs = fused_or_parts(self.qkv_quant or self.qkv, projections, x, row_invariant)
+        outputs = fused_or_parts(self.qkv_quant, projections, x)
         if len(outputs) == 1:
             return outputs[0].split([p.out_features for p in projections], dim=-1)
         return outputs
@@ -223,7 +215,7 @@ class Attention(nn.Module):
         """Attention with PyTorch's ops (prefill, and CPUs without the row-invariant kernels)."""
         spec = self.spec
         bsz, seq, _ = x.shape
-        q, k, v = self.project(x, row_invariant=False)
+        q, k, v = self.project(x)
         q = q.reshape(bsz, seq, spec.num_heads, spec.head_dim)
         k = k.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
         v = v.reshape(bsz, seq, spec.num_kv_heads, spec.head_dim)
@@ -237,20 +229,7 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=spec.attn_scale,
                                              enable_gqa=spec.num_kv_heads != spec.num_heads)
         out = out.transpose(1, 2).reshape(bsz, seq, spec.num_heads * spec.head_dim)
-        return linear(out, self.o_proj, row_invariant=False)
-
-    def forward_kernels(self, h, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
-        """`forward` on the row-invariant kernels, its glue (q/k norms, rope, cache writes) in one call."""
-        spec = self.spec
-        bsz, seq, _ = h.shape
-        q, k, v = self.project(h, row_invariant=True)
-        q_norm, k_norm = (self.q_norm.kernel_weight(), self.k_norm.kernel_weight()) if spec.qk_norm else (None, None)
-        keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
-        q = cpu_kernels.rope_store(q, k, v, q_norm, k_norm, spec.rms_norm_eps, spec.gemma, cos, sin, keys, values,
-                                   slots)
-        span = mask.shape[-1]
-        out = cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask, spec.attn_scale)
-        return linear(out.transpose(1, 2).reshape(bsz, seq, -1), self.o_proj, row_invariant=True)
+        return linear(out, self.o_proj)
 
 
 class MLP(nn.Module):
@@ -269,19 +248,10 @@ class MLP(nn.Module):
         else:
             raise ValueError(f"unsupported activation {spec.hidden_act!r}")
 
-    def gate_up_outputs(self, x: torch.Tensor, row_invariant: bool) -> list[torch.Tensor]:
-        return fused_or_parts(self.gate_up_quant or self.gate_up, [self.gate_proj, self.up_proj], x, row_invariant)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        outputs = self.gate_up_outputs(x, row_invariant=False)
+        outputs = fused_or_parts(self.gate_up_quant, [self.gate_proj, self.up_proj], x)
         gate, up = outputs[0].chunk(2, dim=-1) if len(outputs) == 1 else outputs
-        return linear(self.act(gate) * up, self.down_proj, row_invariant=False)
-
-    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward` on the row-invariant kernels, act(gate) * up in one call."""
-        outputs = self.gate_up_outputs(x, row_invariant=True)
-        gated = cpu_kernels.gated_activation(outputs[0], None if len(outputs) == 1 else outputs[1], self.gelu)
-        return linear(gated, self.down_proj, row_invariant=True)
+        return linear(self.act(gate) * up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -306,20 +276,6 @@ class DecoderLayer(nn.Module):
             return x + self.post_feedforward_layernorm(mlp)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_kernels(self, x, normed, cos, sin, cache, slots, mask, next_norm: RMSNorm):
-        """`forward` on the row-invariant kernels, given `normed` = input_layernorm(x); returns the layer's output
-        and `next_norm` of it (the next layer's input norm or the final one), so each residual add and the norm
-        after it are one call."""
-        eps, weight = self.input_layernorm.eps, RMSNorm.kernel_weight
-        attn = self.self_attn.forward_kernels(normed, cos, sin, cache, slots, mask)
-        if self.gemma:
-            x, normed = cpu_kernels.residual_norm(x, attn, weight(self.post_attention_layernorm),
-                                                  weight(self.pre_feedforward_layernorm), eps, gemma=True)
-            return cpu_kernels.residual_norm(x, self.mlp.forward_kernels(normed),
-                                             weight(self.post_feedforward_layernorm), weight(next_norm), eps, True)
-        x, normed = cpu_kernels.residual_norm(x, attn, None, weight(self.post_attention_layernorm), eps, False)
-        return cpu_kernels.residual_norm(x, self.mlp.forward_kernels(normed), None, weight(next_norm), eps, False)
 
 
 @dataclass
@@ -368,6 +324,7 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up for the row-invariant kernels (after the weights are loaded)."""
+        self.__dict__.pop("_kernel_layers", None)  # kernel_forward's plan refers to the unfused modules
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
@@ -465,19 +422,21 @@ class CausalLM(nn.Module):
         rope = {kind: self.rope.lookup(positions, kind) for kind in masks}
         x = self.embed(tokens)
         hidden: dict[int, torch.Tensor] = {}
-        layers = self.model.layers
-        normed = layers[0].input_layernorm(x) if row_invariant else None
-        for i, layer in enumerate(layers):
-            cos, sin = rope[layer.layer_type]
-            if row_invariant:
-                next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-                x, normed = layer.forward_kernels(x, normed, cos, sin, cache, slots, masks[layer.layer_type],
-                                                  next_norm)
-            else:
+        if row_invariant:  # each layer's output comes with the next norm of it; the last one's is the final norm
+            normed = self.model.layers[0].input_layernorm(x)
+            for i, layer in enumerate(kernel_layers(self)):
+                cos, sin = rope[layer.layer_type]
+                x, normed = layer(x, normed, cos, sin, cache, slots, masks[layer.layer_type])
+                if i in output_layers:
+                    hidden[i] = x
+            x = normed
+        else:
+            for i, layer in enumerate(self.model.layers):
+                cos, sin = rope[layer.layer_type]
                 x = layer(x, cos, sin, cache, slots, masks[layer.layer_type])
-            if i in output_layers:
-                hidden[i] = x
-        x = normed if row_invariant else self.model.norm(x)
+                if i in output_layers:
+                    hidden[i] = x
+            x = self.model.norm(x)
         if -1 in output_layers:
             hidden[-1] = x
         if logits_rows is not None:
