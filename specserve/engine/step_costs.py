@@ -61,6 +61,16 @@ class StepCosts:
 _VERIFY_COSTS: dict[int, StepCosts] = {}
 
 
+def code_version() -> str:
+    """A digest of the forward's code (kernels and the model): a table measured on older code is measured again,
+    since a faster forward changes the draft lengths and tree sizes the table leads to."""
+    import hashlib
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.cpp"))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
+
+
 def target_verify_seconds(target: LoadedModel) -> StepCosts:
     """The target's measured cost of one forward of n tokens: measured once per model, dtype and machine, and
     kept in the cache directory (a few seconds saved on every later start)."""
@@ -68,7 +78,7 @@ def target_verify_seconds(target: LoadedModel) -> StepCosts:
         return _VERIFY_COSTS[id(target.model)]
     key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|" \
           f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}|" \
-          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}"
+          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}|{code_version()}"
     file = cache_root() / "verify_costs.json"
     try:
         table = json.loads(file.read_text()) if file.exists() else {}
