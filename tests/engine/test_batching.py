@@ -127,14 +127,27 @@ def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
 
 def test_acceptance_estimate_returns_to_its_prior():
     estimate = Acceptance()
-    assert estimate.rate == pytest.approx(Acceptance.PRIOR)
+    assert estimate.first.value == pytest.approx(Acceptance.PRIOR_FIRST)
     for _ in range(5):
         estimate.update(4, 0)
-    low = estimate.rate
+    low = estimate.first.value
     assert low < 0.2
     for _ in range(30):  # steps without drafts: the evidence fades
         estimate.update(0, 0)
-    assert estimate.rate > 0.5
+    assert estimate.first.value > 0.5
+
+
+def test_acceptance_tells_first_tokens_from_later_ones():
+    """Drafts right at their first token and then right throughout (prompt lookup's way) make long drafts pay,
+    where one per-token rate would call them a coin toss."""
+    estimate = Acceptance()
+    for _ in range(20):
+        estimate.update(4, 0)
+        estimate.update(4, 4)
+    assert estimate.first.value == pytest.approx(0.5, abs=0.1)
+    assert estimate.further.value > 0.95
+    assert estimate.expected_tokens(4) > 2.8 > expected_tokens(0.5, 4)
+    assert expected_tokens(0.5, 4, further=1.0) == 3.0 and expected_tokens(0.7, 0, 0.9) == 1.0
 
 
 # ---- the KV cache grows with use ------------------------------------------------------------------------------------
