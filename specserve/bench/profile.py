@@ -261,6 +261,14 @@ def plan_requests(prompts: list[str], config: ProfileConfig) -> tuple[list[Plann
 # request styles
 
 
+def sampling_fields(req: "PlannedRequest", greedy: bool, names: dict | None = None, temperature=0.0) -> dict:
+    """The request's planned max / min tokens and, when greedy, a zero temperature, under the style's names."""
+    fields = {"max_tokens": req.max_tokens, "min_tokens": req.min_tokens,
+              "temperature": temperature if greedy else None}
+    names = names or {}
+    return {names.get(key, key): value for key, value in fields.items() if value is not None}
+
+
 @dataclass
 class Style:
     """How to build one request and read its responses for the chosen service kind / backend / endpoint type."""
@@ -281,12 +289,7 @@ class Style:
                 body["messages"] = [{"role": "user", "content": req.prompt}]
             else:
                 body["prompt"] = req.prompt
-            if req.max_tokens is not None:
-                body["max_tokens"] = req.max_tokens
-            if req.min_tokens is not None:
-                body["min_tokens"] = req.min_tokens
-            if greedy:
-                body["temperature"] = 0.0
+            body.update(sampling_fields(req, greedy))
             if self.streaming:
                 body["stream"] = True
             body.update(extra)
@@ -294,13 +297,7 @@ class Style:
         n = self.names
         body = {"text_input": req.prompt}
         if self.backend == "vllm":
-            params: dict = {}
-            if req.max_tokens is not None:
-                params["max_tokens"] = req.max_tokens
-            if req.min_tokens is not None:
-                params["min_tokens"] = req.min_tokens
-            if greedy:
-                params["temperature"] = 0
+            params = sampling_fields(req, greedy, temperature=0)
             if self.streaming:
                 body[n["stream"]] = True
             if n.get("exclude"):
@@ -309,12 +306,7 @@ class Style:
                 body[n["perf"]] = True
             body["parameters"] = params
         else:
-            if req.max_tokens is not None:
-                body[n["max_tokens"]] = req.max_tokens
-            if req.min_tokens is not None:
-                body[n["min_tokens"]] = req.min_tokens
-            if greedy:
-                body[n["temperature"]] = 0.0
+            body.update(sampling_fields(req, greedy, n))
             if n.get("exclude"):
                 body[n["exclude"]] = True
             if n.get("perf"):
