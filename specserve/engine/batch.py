@@ -67,7 +67,7 @@ class Acceptance:
     rate of each later one given the one before was accepted. Drafts are not independent tokens: a prompt-lookup
     continuation that is right at its first token is usually right for many more, so one per-token rate (the
     geometric model) undervalues long drafts: for n-gram on general questions, a request alone drafted 2 tokens
-    in most steps with one rate and drafts 4 in most with two."""
+    more often than 4 with one rate, and drafts 4 in two steps of three with two."""
 
     PRIOR_FIRST = 0.7  # before any evidence: optimistic, so a new request drafts at once
     PRIOR_FURTHER = 0.8
