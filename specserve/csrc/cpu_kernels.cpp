@@ -75,10 +75,12 @@ inline __mmask16 first_n16(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
 }
 
-inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 16; bf16 -> fp32 is exact
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(src + i))), 16)));
+inline __m512 load_bf16x16(const bf16* p) {  // bf16 -> fp32 is exact: the bits move up 16 places
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 16
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16x16(src + i));
 }
 
 // out[i * NR + j] = dot(a[i], b[j]) over D (a multiple of 16): lane l takes fma(a[d], b[d]) for d = l, l + 16, ...
@@ -747,23 +749,18 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   bf16* kc = k_cache.data_ptr<bf16>();
   bf16* vc = v_cache.data_ptr<bf16>();
   const auto ks = k_cache.strides(), vs = v_cache.strides();
+  const auto norm_rope = [&](const bf16* src, const float* w, const bf16* c, const bf16* sn, bf16* dst) {
+    if (w) norm_row(src, w, D, float(eps), gemma, dst);
+    else std::copy(src, src + D, dst);
+    rope_row(dst, c, sn, D);
+  };
   at::parallel_for(0, B * T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T, s = slot[bt];
       const bf16 *c = at_bt(cos, b, t), *sn = at_bt(sin, b, t);
-      for (int64_t h = 0; h < H; ++h) {
-        bf16* dst = qo + ((b * H + h) * T + t) * D;
-        const bf16* src = at_bt(q, b, t) + h * D;
-        if (qw) norm_row(src, qw, D, float(eps), gemma, dst);
-        else std::copy(src, src + D, dst);
-        rope_row(dst, c, sn, D);
-      }
+      for (int64_t h = 0; h < H; ++h) norm_rope(at_bt(q, b, t) + h * D, qw, c, sn, qo + ((b * H + h) * T + t) * D);
       for (int64_t h = 0; h < Hkv; ++h) {
-        bf16* kd = kc + b * ks[0] + h * ks[1] + s * ks[2];
-        const bf16* src = at_bt(k, b, t) + h * D;
-        if (kw) norm_row(src, kw, D, float(eps), gemma, kd);
-        else std::copy(src, src + D, kd);
-        rope_row(kd, c, sn, D);
+        norm_rope(at_bt(k, b, t) + h * D, kw, c, sn, kc + b * ks[0] + h * ks[1] + s * ks[2]);
         const bf16* vsrc = at_bt(v, b, t) + h * D;
         std::copy(vsrc, vsrc + D, vc + b * vs[0] + h * vs[1] + s * vs[2]);
       }
@@ -784,10 +781,6 @@ inline __m512 activation16(__m512 x, bool gelu) {
   }
   const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), z));
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-}
-
-inline __m512 load_bf16x16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {

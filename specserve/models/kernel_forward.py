@@ -27,10 +27,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 def row_invariant_linear(layer: nn.Module) -> Linear:
     """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one."""
     if isinstance(layer, (QuantLinear, FusedQuantLinear)):
-        weights = layer.weights if isinstance(layer, FusedQuantLinear) else [layer.packed]
-        args = layer.args if isinstance(layer, FusedQuantLinear) else layer.packed.kernel_arguments
-        bias = layer.bias
-        return lambda x: packed_matmul(x, weights, bias, args=args)
+        args, bias = layer.args, layer.bias
+        return lambda x: packed_matmul(x, args, bias)
     weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
     return lambda x: cpu_kernels.small_linear(x, weight, bias)
 

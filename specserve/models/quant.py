@@ -187,7 +187,7 @@ class PackedWeight:
     group: int
     zero: int
     kind: str
-    _args: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see kernel_arguments
+    _args: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see `args`
 
     @classmethod
     def from_codes(cls, codes: Codes) -> "PackedWeight":
@@ -257,7 +257,7 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors if t is not None)
 
     @property
-    def kernel_arguments(self) -> tuple[list, ...]:
+    def args(self) -> tuple[list, ...]:
         """kernel_args([self]), built on first use and kept: a decoding step makes dozens of kernel calls."""
         if self._args is None:
             self._args = kernel_args([self])
@@ -265,7 +265,7 @@ class PackedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_fp32: bool = False) -> torch.Tensor:
         """x [..., K] (bf16 or fp32) @ W.T + bias -> [..., N] in x's dtype (fp32 with out_fp32)."""
-        return packed_matmul(x, [self], bias, out_fp32, args=self.kernel_arguments)
+        return packed_matmul(x, self.args, bias, out_fp32)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (fp32 [..., K])."""
@@ -320,11 +320,11 @@ def kernel_args(weights: list[PackedWeight]) -> tuple[list, ...]:
     return (*fields, *formats)
 
 
-def packed_matmul(x: torch.Tensor, weights: list[PackedWeight], bias: torch.Tensor | None = None,
-                  out_fp32: bool = False, args: tuple[list, ...] | None = None) -> torch.Tensor:
-    """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input in one kernel call
-    (`args`: their kernel_args, when kept from an earlier call)."""
-    qs, planes, scales, offsets, *formats = args or kernel_args(weights)
+def packed_matmul(x: torch.Tensor, args: tuple[list, ...], bias: torch.Tensor | None = None,
+                  out_fp32: bool = False) -> torch.Tensor:
+    """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input (`args`: their
+    kernel_args) in one kernel call."""
+    qs, planes, scales, offsets, *formats = args
     y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), qs, planes, scales, offsets, bias, *formats, out_fp32,
                                isa())
     return y.view(*x.shape[:-1], y.shape[-1])
@@ -366,6 +366,10 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.in_features, self.out_features = packed.in_features, packed.out_features
 
+    @property
+    def args(self) -> tuple[list, ...]:
+        return self.packed.args
+
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         return self.packed.matmul(x, self.bias, out_fp32)
 
@@ -391,7 +395,7 @@ class FusedQuantLinear(nn.Module):
         self.args = kernel_args(self.weights)  # built once: this runs several times in every decoding step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.weights, self.bias, args=self.args)
+        return packed_matmul(x, self.args, self.bias)
 
 
 class QuantEmbedding(nn.Module):
