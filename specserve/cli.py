@@ -207,7 +207,15 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     max_queue_size: int = typer.Option(64, "--max-queue-size", help="Waiting requests per model before 503."),
     model_control_mode: str = typer.Option("none", "--model-control-mode",
-                                           help="none: load every model at start; explicit: only --load-model."),
+                                           help="none: load every model at start, refuse load/unload requests; "
+                                                "explicit: only --load-model, then load/unload on request."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECSERVE_API_KEY",
+                                          help="Require 'Authorization: Bearer <key>' on every route but health "
+                                               "and metrics."),
+    max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes",
+                                                 help="Largest request body (413 above it; default 8 MiB)."),
+    max_messages: Optional[int] = typer.Option(None, "--max-messages",
+                                               help="Most messages in one chat request (400 above; default 1024)."),
     load_model_names: list[str] = typer.Option([], "--load-model", help="explicit mode: model to load "
                                                                          "(repeatable)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
@@ -216,12 +224,17 @@ def serve(
     import logging
 
     from specserve.server.app import SpecServer, build_repository
+    from specserve.server.request import RequestLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if model_control_mode not in ("none", "explicit"):
         fail(f"--model-control-mode must be none or explicit, got {model_control_mode!r}")
     if max_queue_size < 1:
         fail(f"--max-queue-size must be >= 1, got {max_queue_size}")
+    given = {"max_body_bytes": max_body_bytes, "max_messages": max_messages}
+    limits = RequestLimits(**{name: value for name, value in given.items() if value is not None})
+    if limits.max_body_bytes < 1 or limits.max_messages < 1:
+        fail("--max-body-bytes and --max-messages must be >= 1")
     try:
         repository = build_repository(model_repository, model, max_queue_size)
         names = list(load_model_names) if model_control_mode == "explicit" else None
@@ -235,7 +248,8 @@ def serve(
         if not repository.ready_models() and model_control_mode == "none":
             fail(f"no model to serve in {model_repository}: expected <name>/1/model.yaml or <name>/1/model.json")
         server = SpecServer(repository, host=host, http_port=http_port, metrics_port=metrics_port,
-                            log_level=log_level)
+                            log_level=log_level, model_control_mode=model_control_mode, api_key=api_key or None,
+                            limits=limits)
     except USER_ERRORS as exc:
         fail(str(exc))
     except OSError as exc:

@@ -11,14 +11,21 @@ forgets old evidence (`Acceptance`: the first draft token's rate and each later 
 so a request alone keeps drafting wherever drafts pay.
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
+
+A prompt longer than one prefill chunk (engine.PREFILL_CHUNK) is prefilled chunk by chunk in a cache of its own,
+between the decoding steps of the running requests, and joins the batch once its first token is out. While others
+decode, chunks get at most PREFILL_SHARE of the time, so a long prompt slows them by at most 1 / (1 - share); a
+cancelled request stops between chunks. A failure ends only the request it belongs to: a per-row failure comes back
+as that row's exception, and a failed batched forward is rerun row by row to find whose it was.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from specserve.engine.engine import Engine, Sequence, StreamEvent
+from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
 from specserve.engine.step_costs import StepCosts
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.sampling import SamplingParams
@@ -90,6 +97,8 @@ class BatchEngine:
     """Rows 0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled
     with the last one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
 
+    PREFILL_SHARE = 0.3  # of the time, at most, for long prompts' chunks while other requests decode
+
     def __init__(self, engine: Engine, max_batch_size: int, capacity: int | None = None,
                  adaptive_draft: bool = True):
         self.engine = engine
@@ -99,6 +108,8 @@ class BatchEngine:
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
         self.acceptance: dict[Sequence, Acceptance] = {}
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
+        self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
         self.costs = StepCosts(engine.model, self.max_batch_size) if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
 
@@ -113,22 +124,66 @@ class BatchEngine:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        """Drop a request, waiting or running; its row (and memory) is free for the next request."""
+        """Drop a request, waiting, prefilling or running; its row (and memory) is free for the next request."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+        self.prefilling.pop(seq, None)
         if seq in self.acceptance:
             self._remove(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.active > 0
+        return bool(self.waiting) or bool(self.prefilling) or self.active > 0
 
     def step(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
-        """Admit one waiting request (its prefill is this step's forward), else one batched decode forward.
+        """One forward: a waiting request's prefill (a short prompt's whole, or a long one's first chunk), else a
+        long prompt's next chunk when its share of the time allows, else the running requests' decoding step.
         Returns each sequence's new event, or the exception that ended that sequence alone."""
-        if self.waiting and self.active < self.max_batch_size:
-            return self._prefill(self.waiting.popleft())
+        if self.waiting and self.active + len(self.prefilling) < self.max_batch_size:
+            seq = self.waiting.popleft()
+            if len(seq.context) <= PREFILL_CHUNK:
+                return self._prefill(seq)
+            self.prefilling[seq] = KVCache.for_model(self.engine.model, 1, self.engine.capacity_for(
+                seq.context, seq.params))
+        if self.prefilling and (not self.rows or self.prefill_credit >= 0):
+            return self._prefill_chunk(min(self.prefilling, key=self._prefill_left))
         if not self.rows:
             return []
+        start = time.perf_counter()
+        events = self._decode()
+        self.prefill_credit += (time.perf_counter() - start) * self.PREFILL_SHARE / (1 - self.PREFILL_SHARE)
+        return events
+
+    def _prefill_left(self, seq: Sequence) -> int:
+        return self.engine.prefill_remaining(self.prefilling[seq], seq)
+
+    def _prefill_chunk(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
+        """The next piece of a long prompt; its last piece samples the first token and moves it into the batch."""
+        cache, start = self.prefilling[seq], time.perf_counter()
+        try:
+            if self.engine.prefill_chunk(cache, seq):
+                events = []
+            else:
+                del self.prefilling[seq]
+                events = self._join(seq, cache, self.engine.forward(cache, [seq])[0])
+        except Exception as exc:  # noqa: BLE001 - this request's failure alone
+            self.prefilling.pop(seq, None)
+            events = [(seq, exc)]
+        if self.rows:
+            self.prefill_credit -= time.perf_counter() - start
+        else:  # nobody waited for this chunk: it owes nothing
+            self.prefill_credit = 0.0
+        return events
+
+    def _join(self, seq: Sequence, cache: KVCache, event) -> list[tuple[Sequence, StreamEvent | Exception]]:
+        """A prefilled request (its cache: row 0 of `cache`) becomes a row of the batch, unless it already ended."""
+        if not isinstance(event, Exception) and not seq.finished:
+            self.rows.append(seq)
+            self.acceptance[seq] = Acceptance()
+            self._fit_cache()
+            self.cache.copy_row_from(cache, 0, len(self.rows) - 1)
+        return [] if event is None else [(seq, event)]
+
+    def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
         draft_len = self.choose_draft_len(self.rows)
         failed = self.engine.draft(self.rows, draft_len)  # a failed proposer ends its request alone
         for seq, _ in failed:
@@ -138,7 +193,7 @@ class BatchEngine:
         seqs = list(self.rows)
         before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
         self._fit_cache()
-        events = self.engine.forward(self.cache.view(0, len(seqs)), seqs)
+        events = self._forward(seqs)
         for seq, (drafted, accepted) in zip(seqs, before):
             self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
                                         seq.metrics.total_accepted_draft_tokens - accepted)
@@ -146,18 +201,38 @@ class BatchEngine:
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
 
-    def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent]]:
+    def _forward(self, seqs: list[Sequence]) -> list[StreamEvent | Exception | None]:
+        """The batched forward of rows 0..len(seqs)-1; if it fails, each row alone (row-invariant kernels: the
+        same tokens), so only the request that broke it fails. Nothing was committed when a forward raises."""
+        try:
+            return self.engine.forward(self.cache.view(0, len(seqs)), seqs)
+        except Exception:  # noqa: BLE001 - find the row that broke it
+            if len(seqs) == 1:
+                raise
+        events = []
+        for row, seq in enumerate(seqs):
+            try:
+                events.append(self.engine.forward(self.cache.view(row, 1), [seq])[0])
+            except Exception as exc:  # noqa: BLE001 - this row's own failure
+                events.append(exc)
+        return events
+
+    def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         row = len(self.rows)
         self.rows.append(seq)
         self.acceptance[seq] = Acceptance()
         self._fit_cache()
         self.cache.lengths[row] = 0
-        return self._collect([seq], self.engine.forward(self.cache.view(row, 1), [seq]))
+        try:
+            events = self.engine.forward(self.cache.view(row, 1), [seq])
+        except Exception as exc:  # noqa: BLE001 - this request's failure alone
+            events = [exc]
+        return self._collect([seq], events)
 
-    def _collect(self, seqs: list[Sequence], events) -> list[tuple[Sequence, StreamEvent]]:
+    def _collect(self, seqs: list[Sequence], events) -> list[tuple[Sequence, StreamEvent | Exception]]:
         out = [(seq, event) for seq, event in zip(seqs, events) if event is not None]
-        for seq in seqs:
-            if seq.finished:
+        for seq, event in zip(seqs, events):
+            if seq.finished or isinstance(event, Exception):
                 self._remove(seq)
         return out
 

@@ -2,6 +2,11 @@
 
 With no method (or max_draft_len 0) every step verifies an empty draft, which is plain autoregressive decoding
 through the very same code path.
+
+A prompt longer than PREFILL_CHUNK tokens is prefilled in chunks of PREFILL_CHUNK (positions [0, C), [C, 2C), ...;
+the last piece, at most C tokens, is the ordinary forward that samples the first token). The boundaries depend on
+the prompt alone, so a request computes the same cache whether it runs alone or a server interleaves its chunks
+with other requests' steps; chunks of C = 64 run on the row-invariant kernels, as fast per token as one piece.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from specserve.models.loader import LoadedModel
 from specserve.speculative.base import Proposal, SpecMethod
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.verify import verify
+
+PREFILL_CHUNK = 64  # = transformer.MAX_KERNEL_TOKENS
 
 
 class RequestError(ValueError):
@@ -129,6 +136,13 @@ class Engine:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens")
+        self.check_token_ids(prompt_ids)
+
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """RequestError unless every id is a token of the target's vocabulary."""
+        vocab = self.model.spec.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
 
     def generate(self, prompt: str | list[int], params: SamplingParams) -> GenerationResult:
         for event in self.stream(prompt, params):
@@ -156,12 +170,36 @@ class Engine:
         seq = self.new_sequence(prompt_ids, params)
         cache = KVCache.for_model(self.model, 1, self.capacity_for(prompt_ids, params))
         while not seq.finished:
+            if self.prefill_chunk(cache, seq):
+                continue
             failed = self.draft([seq], self.max_draft_len)
             if failed:
                 raise failed[0][1]
             event = self.forward(cache, [seq])[0]
+            if isinstance(event, Exception):
+                raise event
             if event is not None:
                 yield event
+
+    def prefill_remaining(self, cache: KVCache, seq: Sequence) -> int:
+        """Prompt tokens of `seq` (row 0 of `cache`) not yet in the cache, its pending last token included."""
+        return len(seq.tokens) + len(seq.pending) - int(cache.lengths[0]) if not seq.prefilled else 0
+
+    def prefill_chunk(self, cache: KVCache, seq: Sequence) -> bool:
+        """Run the next PREFILL_CHUNK prompt tokens of `seq` (row 0 of `cache`) into the cache when more than one
+        chunk remains; False when the rest fits in the ordinary forward (or the prompt is done)."""
+        if self.prefill_remaining(cache, seq) <= PREFILL_CHUNK:
+            return False
+        start = int(cache.lengths[0])
+        chunk = seq.tokens[start:start + PREFILL_CHUNK]
+        positions = torch.arange(start, start + len(chunk))[None]
+        no_logits = torch.zeros(1, 0, dtype=torch.long)
+        out = self.model(torch.tensor([chunk]), positions, cache, positions, logits_rows=no_logits,
+                         output_layers=self.hidden_layers)
+        if self.needs_hidden:
+            seq.proposer.observe_hidden(torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], -1))
+        cache.lengths[0] = start + len(chunk)
+        return True
 
     def draft(self, seqs: list[Sequence], max_len: int) -> list[tuple[Sequence, Exception]]:
         """Each sequence's next proposal, drafted by the method for the whole batch at once; returns the sequences
@@ -177,9 +215,11 @@ class Engine:
                 seq.proposal = proposal
         return failed
 
-    def forward(self, cache: KVCache, seqs: list[Sequence | None]) -> list[StreamEvent | None]:
+    def forward(self, cache: KVCache, seqs: list[Sequence | None]) -> list[StreamEvent | Exception | None]:
         """One target forward for rows 0..len(seqs)-1 of `cache` (None: an idle row, fed a dummy token): each
-        sequence's uncached tokens + its draft; then verification and commit. Returns each row's event."""
+        sequence's uncached tokens + its draft; then verification and commit. Returns each row's event, or the
+        exception that ended that row's request alone (its batch mates commit as usual). An exception raised
+        here comes from the shared forward, before any row committed."""
         batch = VerifyBatch.build(cache, [seq.feed(int(cache.lengths[row])) if seq else [0]
                                           for row, seq in enumerate(seqs)],
                                   [seq.proposal.tree if seq else None for seq in seqs])
@@ -187,18 +227,21 @@ class Engine:
                          logits_rows=batch.logits_rows, output_layers=self.hidden_layers)
         events = []
         for row, seq in enumerate(seqs):
-            if seq is None:
-                events.append(None)
-                continue
-            hidden = None
-            if self.needs_hidden:  # the features of every fed row (uncached tokens, root, tree nodes)
-                hidden = torch.cat([out.hidden_states[i][row, : batch.fed[row]] for i in self.hidden_layers], -1)
-            nodes, event = seq.commit(out.logits[row, : batch.verified[row]], hidden)
-            base = batch.starts[row] + batch.root(row)  # the root's slot: the accepted nodes move right after it
-            cache.compact(row, base + torch.tensor([0] + nodes), base)
-            cache.lengths[row] = base + 1 + len(nodes)
-            events.append(event)
+            try:
+                events.append(None if seq is None else self._commit_row(cache, batch, out, row, seq))
+            except Exception as exc:  # noqa: BLE001 - e.g. a sampler failure: it ends this request only
+                events.append(exc)
         return events
+
+    def _commit_row(self, cache: KVCache, batch: VerifyBatch, out, row: int, seq: Sequence) -> StreamEvent | None:
+        hidden = None
+        if self.needs_hidden:  # the features of every fed row (uncached tokens, root, tree nodes)
+            hidden = torch.cat([out.hidden_states[i][row, : batch.fed[row]] for i in self.hidden_layers], -1)
+        nodes, event = seq.commit(out.logits[row, : batch.verified[row]], hidden)
+        base = batch.starts[row] + batch.root(row)  # the root's slot: the accepted nodes move right after it
+        cache.compact(row, base + torch.tensor([0] + nodes), base)
+        cache.lengths[row] = base + 1 + len(nodes)
+        return event
 
 
 class Sequence:

@@ -100,6 +100,13 @@ class KVCache:
             vc[dst, :, :length] = vc[src, :, :length]
         self.lengths[dst] = length
 
+    def copy_row_from(self, other: "KVCache", src: int, dst: int) -> None:
+        """Copy row src of another cache (its committed keys/values and length) into row dst of this one."""
+        length = int(other.lengths[src])
+        for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
+            mine[dst, :, :length] = theirs[src, :, :length]
+        self.lengths[dst] = length
+
     def view(self, start: int, count: int) -> "KVCache":
         """Rows [start, start + count) as a cache of their own, sharing storage (and lengths) with this one."""
         part = copy.copy(self)

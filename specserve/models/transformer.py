@@ -415,7 +415,7 @@ class CausalLM(nn.Module):
         Every token sees the committed cache prefix of its row (slots below `cache.lengths`) and, among the new
         tokens, what `tree_mask` [B, T, T] allows (causal when None). `output_layers` asks for the residual
         stream after those layers (-1: the final normed state). `logits_rows` [B, R] picks the rows that need
-        logits, since the lm_head dominates a step of a small model.
+        logits, since the lm_head dominates a step of a small model (R = 0: none at all).
         """
         masks = cache.attention_masks(positions, slots, tree_mask, self.spec.sliding_window)
         row_invariant = tokens.shape[1] <= MAX_KERNEL_TOKENS and self.kernels_usable
@@ -439,6 +439,8 @@ class CausalLM(nn.Module):
             x = self.model.norm(x)
         if -1 in output_layers:
             hidden[-1] = x
+        if logits_rows is not None and logits_rows.shape[1] == 0:  # a prefill chunk: only the cache is wanted
+            return ForwardOutput(torch.empty(x.shape[0], 0, self.spec.vocab_size), hidden)
         if logits_rows is not None:
             x = torch.gather(x, 1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
         return ForwardOutput(self.logits(x, row_invariant), hidden)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,7 +29,7 @@ from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.openai import protocol as openai_protocol
 from specserve.server.repository import (DEFAULT_MAX_QUEUE_SIZE, LLMAPI, VLLM, ModelRepository, default_name,
                                          load_model_json, single_model_sources)
-from specserve.server.request import ServerContext
+from specserve.server.request import RequestLimits, ServerContext
 from specserve.speculative.registry import DEFAULT_METHOD
 from specserve.server.triton import protocol as triton_protocol
 
@@ -89,7 +91,28 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return triton_protocol.error_json(f"internal error: {exc}", 500)
 
 
-def create_app(ctx: ServerContext) -> Starlette:
+OPEN_PATHS = ("/v2/health/live", "/v2/health/ready", "/health", "/health/ready", "/metrics")  # no API key needed
+
+
+class RequireApiKey:
+    """ASGI middleware: with an API key set, every route but health and metrics wants `Authorization: Bearer
+    <key>` (as vLLM's --api-key); others get 401 in their API's error format."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"
+                api = openai_protocol if scope["path"].startswith("/v1") else triton_protocol
+                await api.error_json(message, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(ctx: ServerContext, api_key: str | None = None) -> Starlette:
     ctx.metrics.runner_source = lambda: [(m.name, m.deployment.runner) for m in ctx.repository.ready_models()
                                          if m.deployment is not None]
 
@@ -97,8 +120,11 @@ def create_app(ctx: ServerContext) -> Starlette:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     routes = triton.routes() + openai.routes() + [Route("/metrics", metrics, methods=["GET"])]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    middleware = [Middleware(RequireApiKey, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.ctx = ctx
+    app.state.max_body_bytes = ctx.limits.max_body_bytes
     return app
 
 
@@ -126,15 +152,19 @@ class SpecServer:
     """Both listeners (HTTP and metrics) in one event loop; `run()` blocks, `start()` runs it in a thread."""
 
     def __init__(self, repository: ModelRepository, host: str = "127.0.0.1", http_port: int = 8000,
-                 metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning"):
+                 metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning",
+                 model_control_mode: str = "none", api_key: str | None = None,
+                 limits: RequestLimits | None = None):
         self.metrics = metrics or ServerMetrics()
         self.repository = repository
-        self.ctx = ServerContext(repository, self.metrics)
+        # not ready until warm (see `serve`)
+        self.ctx = ServerContext(repository, self.metrics, ready=False, limits=limits or RequestLimits(),
+                                 model_control_mode=model_control_mode)
         for model in repository.ready_models():
             self.metrics.register_model(model.name, model.version, model.deployment.load_seconds)
         repository.on_load = lambda m: self.metrics.register_model(m.name, m.version, m.deployment.load_seconds)
         self.host = host
-        self.app = create_app(self.ctx)
+        self.app = create_app(self.ctx, api_key)
         self.metrics_app = create_metrics_app(self.metrics)
         self._socks = [bind(host, http_port)]
         if metrics_port is not None:
@@ -158,6 +188,7 @@ class SpecServer:
 
     async def serve(self) -> None:
         tasks = [asyncio.ensure_future(s.serve(sockets=[sock])) for s, sock in zip(self._servers, self._socks)]
+        warm_up = asyncio.ensure_future(self._warm_up())
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # one stops (signal, error): all stop
             for server in self._servers:
@@ -166,8 +197,16 @@ class SpecServer:
                 if isinstance(result, BaseException):
                     raise result
         finally:
+            warm_up.cancel()
             self.ctx.ready = False
             self.repository.close()
+
+    async def _warm_up(self) -> None:
+        """Ready means warm: each loaded model runs one short request before the health routes say ready."""
+        for model in self.repository.ready_models():
+            await self.ctx.warm_up(model)
+        self.ctx.ready = True
+        log.info("warm: ready")
 
     def run(self) -> None:
         asyncio.run(self.serve())
@@ -178,7 +217,7 @@ class SpecServer:
         ready = threading.Event()
 
         def started() -> bool:
-            return all(s.started for s in self._servers)
+            return all(s.started for s in self._servers) and self.ctx.ready
 
         for _ in range(int(timeout / 0.02)):
             if started() or not self._thread.is_alive():

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import anyio
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -22,25 +24,72 @@ def json_response(payload, status: int = 200, headers: dict | None = None) -> Re
     return Response(json_bytes(payload), status_code=status, media_type="application/json", headers=headers)
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than any API here needs (KServe data: a few levels)
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a full 32k-token context is ~0.2 MB of text
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 once it passes the server's limit (before reading the rest)."""
+    limit = getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise InputError(f"the request body is {declared} bytes; the limit is {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise InputError(f"the request body exceeds the limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_json(request: Request, empty_ok: bool = True) -> dict:
     """The request body as a JSON object ({} for an empty body when `empty_ok`); InputError says what is wrong."""
-    body = await request.body()
+    body = await read_body(request)
     encoding = request.headers.get("content-encoding", "identity").lower()
     if encoding not in ("", "identity"):
         raise InputError(f"unsupported Content-Encoding '{encoding}'")
     if not body.strip() and empty_ok:
         return {}
+    payload = parse_json(body)
+    if not isinstance(payload, dict):
+        raise InputError("failed to parse the request JSON buffer: the request must be a JSON object")
+    return payload
+
+
+def parse_json(body: bytes):
+    """UTF-8 JSON text -> its value, refusing what Python's parser would take but the server cannot use: nesting
+    deeper than MAX_JSON_DEPTH (the parser recurses) and lone UTF-16 surrogates (no tokenizer can encode them)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"failed to parse the request JSON buffer: invalid UTF-8 at byte {exc.start}") from None
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise InputError(f"failed to parse the request JSON buffer: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         payload = json.loads(text)
     except ValueError as exc:
         raise InputError(f"failed to parse the request JSON buffer: {exc}") from None
-    if not isinstance(payload, dict):
-        raise InputError("failed to parse the request JSON buffer: the request must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):
+        try:  # paired surrogate escapes decode to one character; a lone one stays and cannot be encoded
+            json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("failed to parse the request JSON buffer: a string holds a lone UTF-16 surrogate "
+                             "(\\ud800-\\udfff escape), which is not a Unicode character") from None
     return payload
+
+
+def json_depth(text: str) -> int:
+    """How deeply arrays and objects nest in JSON text (brackets inside strings do not count)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return 0  # too few brackets to nest too deep: the usual request costs two counts
+    brackets = _JSON_STRING.sub("", text).encode()
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    depth = np.cumsum((steps == ord("[")).astype(np.int32) + (steps == ord("{"))
+                      - (steps == ord("]")) - (steps == ord("}")))
+    return int(depth.max(initial=0))
 
 
 async def _wait_disconnect(request: Request) -> None:

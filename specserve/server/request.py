@@ -9,6 +9,7 @@ first event of a streamed response.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from starlette.requests import Request
 
 from specserve.engine.engine import StreamEvent
 from specserve.server.errors import InputError, failure_reason
-from specserve.server.http import with_disconnect
+from specserve.server.http import DEFAULT_MAX_BODY_BYTES, with_disconnect
 from specserve.server.metrics import ServerMetrics
 from specserve.server.repository import ModelRepository, ServedModel
 from specserve.server.runner import RequestHandle, RequestObserver, RequestTiming
@@ -39,6 +40,20 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
                           stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
 
 
+log = logging.getLogger("specserve.server")
+
+WARM_UP_PROMPT = "Warm-up: one, two, three, one, two, three, one, two,"
+
+
+@dataclass
+class RequestLimits:
+    """What one request may ask of the server, refused with a 4xx before any work (prompt length: the model's
+    context, checked at submit)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_messages: int = 1024  # a chat's messages (OpenAI's own API allows 2048)
+
+
 @dataclass
 class ServerContext:
     """The app's shared state: the models, the metrics, readiness and the requests in flight by client id."""
@@ -46,6 +61,8 @@ class ServerContext:
     repository: ModelRepository
     metrics: ServerMetrics
     ready: bool = True
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    model_control_mode: str = "none"  # Triton's: load/unload requests are honoured only in "explicit"
     inflight: dict[str, set[RequestHandle]] = field(default_factory=lambda: defaultdict(set))
 
     async def submit(self, model: ServedModel, prompt: str | list[int], params: SamplingParams,
@@ -57,6 +74,15 @@ class ServerContext:
         if request_id:
             self.inflight[request_id].add(handle)
         return handle
+
+    async def warm_up(self, model: ServedModel) -> None:
+        """One short request through the model's runner, so that what its first request would wait for (the batch
+        engine and its cost table, the kernels' first calls) is done before the server says it is ready."""
+        try:
+            handle = await model.runner.submit(WARM_UP_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+            await handle.collect()
+        except Exception:  # noqa: BLE001 - a model that fails its warm-up fails its requests too; serve on
+            log.exception("warm-up of %s failed", model.name)
 
     def cancel(self, request_id: str) -> None:
         for handle in list(self.inflight.get(request_id, ())):

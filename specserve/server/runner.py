@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,15 @@ from specserve.speculative.sampling import SamplingParams
 log = logging.getLogger("specserve.server")
 
 _END = object()
+
+
+_TOKENIZER = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
+
+
+async def off_loop(fn, *args):
+    """fn(*args) on the tokenizer thread: tokenizing a long prompt (or rendering a long chat) on the event loop
+    would stall every other client's responses meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER, fn, *args)
 
 
 class RunnerError(RuntimeError):
@@ -211,14 +221,14 @@ class Runner:
         the observer hears of that refusal too."""
         observer = observer or RequestObserver()
         try:
-            return self._enqueue(prompt, params, observer)
+            prompt_ids = await off_loop(self._check, prompt, params)
+            return self._enqueue(prompt_ids, params, observer)
         except BaseException as exc:
             observer.failed(exc, None)
             observer.ended(None)
             raise
 
-    def _enqueue(self, prompt: str | list[int], params: SamplingParams, observer: RequestObserver) -> RequestHandle:
-        prompt_ids = self._check(prompt, params)
+    def _enqueue(self, prompt_ids: list[int], params: SamplingParams, observer: RequestObserver) -> RequestHandle:
         handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer)
         with self._cv:
             if self._closing:
@@ -263,9 +273,6 @@ class Runner:
             prompt_ids = self.engine.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompt_ids = list(prompt)
-            vocab = getattr(getattr(getattr(self.engine, "model", None), "spec", None), "vocab_size", None)
-            if vocab and any(t < 0 or t >= vocab for t in prompt_ids):
-                raise RequestError(f"prompt token ids must be in [0, {vocab})")
         else:
             raise RequestError("prompt must be a string or a list of token ids")
         check = getattr(self.engine, "check_request", None)

@@ -6,9 +6,12 @@ top-p transform, so both use `probabilities` below.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+SEEDS = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -27,24 +30,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        """Raise ValueError naming the first bad field: every number finite and in range, every list of its type."""
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+        if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed not in SEEDS):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
 
     def make_generator(self) -> torch.Generator:
         gen = torch.Generator()
         gen.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
         return gen
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite int or float (JSON's NaN and Infinity literals parse to floats; bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -58,7 +72,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p  # keep the smallest prefix reaching top_p (always >= 1 token)
+        drop_sorted = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted[..., 0] = False  # and always the top token: a top_p below float32's range rounds to 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

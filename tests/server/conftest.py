@@ -76,15 +76,16 @@ class Running:
         self.server.stop()
 
 
-def start_server(repository: ModelRepository) -> Running:
+def start_server(repository: ModelRepository, **options) -> Running:
     errors = repository.load_all()
     assert not errors, errors
-    return Running(SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0).start())
+    return Running(SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options).start())
 
 
 @pytest.fixture(scope="session")
 def server(repo_dir) -> Running:
-    running = start_server(ModelRepository.from_directory(repo_dir))
+    """Explicit model-control mode: the repository tests load and unload models."""
+    running = start_server(ModelRepository.from_directory(repo_dir), model_control_mode="explicit")
     yield running
     running.close()
 

@@ -178,10 +178,10 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
                            min_tokens=fields.min_tokens)
 
 
-def read_prompt(body: dict, engine, chat: bool) -> tuple[str | list[int], list[int], str]:
+def read_prompt(body: dict, engine, chat: bool, max_messages: int) -> tuple[str | list[int], list[int], str]:
     """(prompt for the runner, its token ids, the text to echo before the completion)."""
     if chat:
-        ids = chat_prompt(body, engine)
+        ids = chat_prompt(body, engine, max_messages)
         return ids, ids, ""
     prompt, ids, text = completion_prompt(body, engine)
     return prompt, ids, text if _get(body, "echo", bool, False) else ""
@@ -198,6 +198,7 @@ def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], s
         ids = engine.encode(prompt)
         return ids, ids, prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        engine.check_token_ids(prompt)
         return prompt, prompt, engine.tokenizer.decode(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise InputError("batched prompts are not supported: send one prompt per request", param="prompt")
@@ -225,10 +226,13 @@ def _message_text(message, index: int) -> tuple[str, str]:
     raise InputError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_prompt(body: dict, engine) -> list[int]:
+def chat_prompt(body: dict, engine, max_messages: int) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InputError("'messages' must be a non-empty list", param="messages")
+    if len(messages) > max_messages:
+        raise InputError(f"'messages' has {len(messages)} messages; at most {max_messages} are allowed",
+                         param="messages")
     pairs = [_message_text(m, i) for i, m in enumerate(messages)]
     tokenizer = engine.tokenizer
     kwargs = body.get("chat_template_kwargs") or {}

@@ -16,7 +16,7 @@ from specserve.server.openai.protocol import (CommonFields, build_params, check_
                                               find_model, parse_common, read_prompt, usage)
 from specserve.server.repository import RepositoryError
 from specserve.server.request import ServerContext, first_event
-from specserve.server.runner import RequestHandle
+from specserve.server.runner import RequestHandle, off_loop
 
 
 async def completions(request: Request) -> Response:
@@ -35,7 +35,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         model, name = find_model(ctx, body)
         check_unsupported(body, chat)
         fields = parse_common(body, chat)
-        prompt, ids, echo = read_prompt(body, model.engine, chat)
+        prompt, ids, echo = await off_loop(read_prompt, body, model.engine, chat, ctx.limits.max_messages)
         params = build_params(fields, len(ids), model.engine.max_model_len, chat)
         handle = await ctx.submit(model, prompt, params)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),

@@ -87,6 +87,21 @@ def _repository_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
+class ModelControlDisabled(Exception):
+    """Load/unload outside explicit model-control mode: Triton answers 503 with this message."""
+
+    def __init__(self):
+        super().__init__("explicit model load / unload is not allowed if polling is enabled")
+
+
+def _control_ctx(request: Request) -> ServerContext:
+    """The context of a load or unload request, which only explicit model-control mode allows (as Triton)."""
+    ctx = _repository_ctx(request)
+    if ctx.model_control_mode != "explicit":
+        raise ModelControlDisabled()
+    return ctx
+
+
 async def repository_index(request: Request) -> Response:
     try:
         ctx = _repository_ctx(request)
@@ -99,12 +114,15 @@ async def repository_index(request: Request) -> Response:
 
 async def repository_load(request: Request) -> Response:
     try:
-        ctx = _repository_ctx(request)
+        ctx = _control_ctx(request)
         body = await read_json(request)
         overrides = _load_overrides(body.get("parameters") or {})
-        await asyncio.to_thread(ctx.repository.load, request.path_params["model"], overrides or None)
+        model = await asyncio.to_thread(ctx.repository.load, request.path_params["model"], overrides or None)
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
+    except ModelControlDisabled as exc:
+        return error_json(str(exc), 503)
+    await ctx.warm_up(model)
     return Response(status_code=200)
 
 
@@ -133,9 +151,11 @@ def _load_overrides(parameters) -> dict:
 
 async def repository_unload(request: Request) -> Response:
     try:
-        ctx = _repository_ctx(request)
+        ctx = _control_ctx(request)
         await read_json(request)
         ctx.repository.unload(request.path_params["model"])
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
+    except ModelControlDisabled as exc:
+        return error_json(str(exc), 503)
     return Response(status_code=200)

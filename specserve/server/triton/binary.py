@@ -6,10 +6,11 @@ little-endian uint32 length and the bytes; numbers are little-endian.
 
 from __future__ import annotations
 
-import json
+import math
 import struct
 
 from specserve.server.errors import InputError
+from specserve.server.http import parse_json
 
 NUMERIC = {"BOOL": "?", "INT8": "b", "UINT8": "B", "INT16": "h", "UINT16": "H", "INT32": "i", "UINT32": "I",
            "INT64": "q", "UINT64": "Q", "FP32": "f", "FP64": "d"}
@@ -58,10 +59,7 @@ def _flatten(data) -> list:
 def parse_infer(body: bytes, header_length: str | None) -> tuple[dict, dict]:
     """An infer request body -> (the JSON header, {input name: flat list of values})."""
     head, binary = _split(body, header_length)
-    try:
-        payload = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"failed to parse the request JSON buffer: {exc}") from None
+    payload = parse_json(head)
     if not isinstance(payload, dict) or not isinstance(payload.get("inputs"), list):
         raise InputError("the infer request must be a JSON object with an 'inputs' array")
     return payload, _input_values(payload["inputs"], binary)
@@ -96,7 +94,20 @@ def _input_values(tensors: list, binary: bytes) -> dict:
             values[name] = _flatten(tensor["data"])
         else:
             raise InputError(f"input '{name}' has no data")
+        _check_shape(name, tensor.get("shape"), len(values[name]))
     return values
+
+
+def _check_shape(name: str, shape, elements: int) -> None:
+    """A tensor's declared shape must hold exactly its elements (KServe v2)."""
+    if shape is None:
+        return
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise InputError(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
+    if math.prod(shape) != elements:
+        raise InputError(f"input '{name}': shape {shape} holds {math.prod(shape)} elements, but the data has "
+                         f"{elements}")
 
 
 def encode_element(datatype: str, value) -> bytes:

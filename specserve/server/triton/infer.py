@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from specserve.server.errors import InputError
-from specserve.server.http import with_disconnect
+from specserve.server.http import read_body, with_disconnect
 from specserve.server.repository import ServedModel
 from specserve.server.request import ServerContext
 from specserve.server.triton.binary import encode_element, output_value, parse_infer
@@ -25,7 +25,7 @@ async def infer(request: Request) -> Response:
     model = None
     try:
         model = resolve_model(request)
-        payload, values = parse_infer(await request.body(), request.headers.get("inference-header-content-length"))
+        payload, values = parse_infer(await read_body(request), request.headers.get("inference-header-content-length"))
         rid = request_id(payload)
         parameters = payload.get("parameters") or {}
         if not isinstance(parameters, dict):
