@@ -99,9 +99,9 @@ def _input_values(tensors: list, binary: bytes) -> dict:
 
 
 def _check_shape(name: str, shape, elements: int) -> None:
-    """A tensor's declared shape must hold exactly its elements (KServe v2)."""
+    """A tensor's declared shape must hold exactly its elements (KServe v2 requires the shape)."""
     if shape is None:
-        return
+        raise InputError(f"input '{name}' has no 'shape'")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
         raise InputError(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
