@@ -31,7 +31,8 @@ import httpx
 # vLLM's speculative-decoding counters, as specserve's /metrics exports them (specserve/server/metrics.py)
 DRAFT_METRICS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
                  "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
-                 "steps_with_draft": "vllm:spec_decode_num_drafts_total"}
+                 "steps_with_draft": "vllm:spec_decode_num_drafts_total",
+                 "output_tokens": "vllm:generation_tokens_total", "requests": "vllm:request_success_total"}
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -160,8 +161,16 @@ def run(args) -> dict:
         "rss_mb": {"start": round(rss[0], 1), "min": round(min(rss), 1), "max": round(max(rss), 1),
                    "end": round(rss[-1], 1), "samples": len(rss)} if rss else None,
         "drafts": {**drafts, "acceptance_rate": drafts["accepted_tokens"] / drafts["draft_tokens"]
-                   if drafts["draft_tokens"] else None},
+                   if drafts["draft_tokens"] else None, "share_of_steps_with_draft": share_drafted(drafts)},
     }
+
+
+def share_drafted(drafts: dict[str, float]) -> float | None:
+    """Of the requests' decoding steps, the share that verified a draft. A request's forwards each emit one token
+    plus the draft tokens accepted, the first forward (the prefill) none of them: decoding steps = output tokens
+    - accepted tokens - requests."""
+    steps = drafts["output_tokens"] - drafts["accepted_tokens"] - drafts["requests"]
+    return drafts["steps_with_draft"] / steps if steps > 0 else None
 
 
 def summary(result: dict) -> str:
@@ -178,7 +187,8 @@ def summary(result: dict) -> str:
         f"server RSS MB: start {rss['start']:.0f}, min {rss['min']:.0f}, max {rss['max']:.0f}, end {rss['end']:.0f} "
         f"({rss['samples']} samples)" if rss else "server RSS: no --server-pid",
         f"drafts: {drafts['draft_tokens']:.0f} tokens proposed, {drafts['accepted_tokens']:.0f} accepted ({rate}), "
-        f"{drafts['steps_with_draft']:.0f} verify steps carried a draft",
+        f"{drafts['steps_with_draft']:.0f} verify steps carried a draft "
+        f"({drafts['share_of_steps_with_draft'] or 0:.0%} of the decoding steps)",
     ]
     lines += [f"  mismatch on prompt {m['prompt']}: expected {m['expected'][:60]!r}, got {m['got'][:60]!r}"
               for m in result["mismatch_examples"]]

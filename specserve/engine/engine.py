@@ -21,11 +21,12 @@ from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
+from specserve.models.transformer import MAX_KERNEL_TOKENS
 from specserve.speculative.base import Proposal, SpecMethod
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.verify import verify
 
-PREFILL_CHUNK = 64  # = transformer.MAX_KERNEL_TOKENS
+PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
 
 
 class RequestError(ValueError):

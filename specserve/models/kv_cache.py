@@ -94,11 +94,7 @@ class KVCache:
 
     def move_row(self, src: int, dst: int) -> None:
         """Copy row src's committed keys/values and length into row dst (to keep a batch's rows dense)."""
-        length = int(self.lengths[src])
-        for kc, vc in zip(self.keys, self.values):
-            kc[dst, :, :length] = kc[src, :, :length]
-            vc[dst, :, :length] = vc[src, :, :length]
-        self.lengths[dst] = length
+        self.copy_row_from(self, src, dst)
 
     def copy_row_from(self, other: "KVCache", src: int, dst: int) -> None:
         """Copy row src of another cache (its committed keys/values and length) into row dst of this one."""

@@ -87,18 +87,12 @@ def _repository_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
-class ModelControlDisabled(Exception):
-    """Load/unload outside explicit model-control mode: Triton answers 503 with this message."""
-
-    def __init__(self):
-        super().__init__("explicit model load / unload is not allowed if polling is enabled")
-
-
 def _control_ctx(request: Request) -> ServerContext:
-    """The context of a load or unload request, which only explicit model-control mode allows (as Triton)."""
+    """The context of a load or unload request, which only explicit model-control mode allows (Triton's status and
+    message otherwise)."""
     ctx = _repository_ctx(request)
     if ctx.model_control_mode != "explicit":
-        raise ModelControlDisabled()
+        raise InputError("explicit model load / unload is not allowed if polling is enabled", status=503)
     return ctx
 
 
@@ -120,8 +114,6 @@ async def repository_load(request: Request) -> Response:
         model = await asyncio.to_thread(ctx.repository.load, request.path_params["model"], overrides or None)
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
-    except ModelControlDisabled as exc:
-        return error_json(str(exc), 503)
     await ctx.warm_up(model)
     return Response(status_code=200)
 
@@ -156,6 +148,4 @@ async def repository_unload(request: Request) -> Response:
         ctx.repository.unload(request.path_params["model"])
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
-    except ModelControlDisabled as exc:
-        return error_json(str(exc), 503)
     return Response(status_code=200)
