@@ -861,6 +861,171 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& y,
   return {sum, normed};
 }
 
+// ---- The decoder layers in one call: the nine kernel calls of each layer (kernel_forward.py's KernelLayer) for
+// every layer of a forward, with no Python between them. Each step is the same function on the same arguments
+// as the Python loop's, so the results are bit-identical to it; what goes is ~15 us of Python glue per layer.
+
+// quant_linear.cpp's quant_linear, handed over as a function pointer in a capsule of this name (the name states
+// the signature: the two sides are built separately, quant_linear.cpp without -march=native so its rounding is
+// that of every ISA path).
+using QuantLinearFn = at::Tensor (*)(const at::Tensor&, const std::vector<at::Tensor>&,
+                                     const std::vector<std::optional<at::Tensor>>&, const std::vector<at::Tensor>&,
+                                     const std::vector<std::optional<at::Tensor>>&, const std::optional<at::Tensor>&,
+                                     const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                     const std::vector<int64_t>&, const std::vector<int64_t>&, bool,
+                                     const std::string&);
+constexpr const char* kQuantLinearCapsule = "specserve.quant_linear.v1";
+
+// quant_linear's per-weight argument lists (quant.py's kernel_args).
+struct PackedArgs {
+  std::vector<at::Tensor> qs;
+  std::vector<std::optional<at::Tensor>> planes;
+  std::vector<at::Tensor> scales;
+  std::vector<std::optional<at::Tensor>> offsets;
+  std::vector<int64_t> N, bits, group, zero;
+};
+
+// One row-invariant linear: small_linear over a bf16 weight, or quant_linear over packed weights.
+struct KernelLinear {
+  std::optional<at::Tensor> weight;  // bf16 [N, K]; none: packed
+  PackedArgs packed;
+  std::optional<at::Tensor> bias;
+
+  bool is_packed() const { return !weight.has_value(); }
+
+  // x [..., K] -> [..., N] in bf16, as cpu_kernels.small_linear or quant.packed_matmul computes it.
+  at::Tensor operator()(const at::Tensor& x, QuantLinearFn quant, const std::string& isa) const {
+    const at::Tensor rows = x.reshape({-1, x.size(-1)});
+    const at::Tensor y = is_packed() ? quant(rows, packed.qs, packed.planes, packed.scales, packed.offsets, bias,
+                                             packed.N, packed.bits, packed.group, packed.zero, false, isa)
+                                     : small_linear(rows.contiguous(), *weight, bias, false);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = y.size(-1);
+    return y.view(shape);
+  }
+};
+
+KernelLinear bf16_linear(const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bf16_linear: bf16 weight [N, K]");
+  return {weight.contiguous(), {}, bias};
+}
+
+KernelLinear packed_linear(PackedArgs packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!packed.qs.empty(), "packed_linear: at least one packed weight");
+  return {std::nullopt, std::move(packed), bias};
+}
+
+// One decoder layer's linears, norm weights (fp32 kernel weights, RMSNorm.kernel_weight) and settings.
+struct StackLayer {
+  std::vector<KernelLinear> qkv;  // one fused linear, or q, k, v
+  std::vector<int64_t> qkv_sizes;  // the widths of q, k, v
+  KernelLinear o;
+  std::vector<KernelLinear> gate_up;  // one fused linear (its output [.., 2 I] read as it is), or gate, up
+  KernelLinear down;
+  std::optional<at::Tensor> q_norm, k_norm, pre_feedforward, post_feedforward;  // Gemma 3 / Qwen3 only
+  at::Tensor post_attention, next_norm;  // next_norm: the next layer's input norm, or the final norm
+  double eps, scale;
+  bool gemma, gelu;
+  int64_t cache_index, kind;  // kind: the layer type, an index into forward's per-type rope tables and masks
+
+  bool uses_packed() const {
+    bool any = o.is_packed() || down.is_packed();
+    for (const auto* parts : {&qkv, &gate_up})
+      for (const KernelLinear& part : *parts) any = any || part.is_packed();
+    return any;
+  }
+};
+
+// The per-forward inputs shared by the layers.
+struct StackInputs {
+  const std::vector<at::Tensor>& cos;  // per layer kind: rope tables [B, T, D] and masks [B, 1, T, S]
+  const std::vector<at::Tensor>& sin;
+  const std::vector<at::Tensor>& masks;
+  const std::vector<at::Tensor>& keys;  // the cache, per layer
+  const std::vector<at::Tensor>& values;
+  const at::Tensor& slots;
+  const std::string& isa;  // quant_linear's path (quant.isa())
+};
+
+class LayerStack {
+ public:
+  LayerStack(std::vector<StackLayer> layers, const std::optional<py::capsule>& quant_linear)
+      : layers_(std::move(layers)) {
+    if (quant_linear.has_value()) {
+      TORCH_CHECK(PyCapsule_IsValid(quant_linear->ptr(), kQuantLinearCapsule),
+                  "LayerStack: quant_linear must be the capsule named ", kQuantLinearCapsule);
+      quant_ = reinterpret_cast<QuantLinearFn>(PyCapsule_GetPointer(quant_linear->ptr(), kQuantLinearCapsule));
+    }
+    for (const StackLayer& layer : layers_) {
+      TORCH_CHECK(quant_ || !layer.uses_packed(), "LayerStack: packed linears need the quant_linear capsule");
+      TORCH_CHECK(layer.qkv.size() == 1 || layer.qkv.size() == 3, "LayerStack: qkv is one fused linear or three");
+      TORCH_CHECK(layer.gate_up.size() == 1 || layer.gate_up.size() == 2, "LayerStack: gate_up is one or two");
+      TORCH_CHECK(layer.qkv_sizes.size() == 3, "LayerStack: qkv_sizes holds the q, k, v widths");
+      TORCH_CHECK(!layer.gemma || (layer.pre_feedforward.has_value() && layer.post_feedforward.has_value()),
+                  "LayerStack: a Gemma layer has pre- and post-feedforward norms");
+    }
+  }
+
+  // Every layer over the residual stream x [B, T, H] and normed = its first input norm: returns (the final norm
+  // of the last layer's output, the outputs of the layers `keep` asks for, in increasing layer order).
+  std::pair<at::Tensor, std::vector<at::Tensor>> forward(at::Tensor x, at::Tensor normed,
+                                                          const StackInputs& in, std::vector<int64_t> keep) const {
+    check(in);
+    std::sort(keep.begin(), keep.end());
+    std::vector<at::Tensor> kept;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      std::tie(x, normed) = layer_forward(layers_[i], x, normed, in);
+      if (std::binary_search(keep.begin(), keep.end(), int64_t(i))) kept.push_back(x);
+    }
+    return {normed, kept};
+  }
+
+ private:
+  void check(const StackInputs& in) const {
+    TORCH_CHECK(in.cos.size() == in.sin.size() && in.cos.size() == in.masks.size(),
+                "LayerStack: one cos, sin and mask per layer kind");
+    for (const StackLayer& layer : layers_) {
+      TORCH_CHECK(layer.kind >= 0 && layer.kind < int64_t(in.masks.size()), "LayerStack: no mask for a kind");
+      TORCH_CHECK(layer.cache_index >= 0 && layer.cache_index < int64_t(in.keys.size()) &&
+                      in.keys.size() == in.values.size(), "LayerStack: the cache has too few layers");
+    }
+  }
+
+  std::vector<at::Tensor> project(const std::vector<KernelLinear>& parts, const at::Tensor& x,
+                                  const std::string& isa) const {
+    std::vector<at::Tensor> out;
+    for (const KernelLinear& part : parts) out.push_back(part(x, quant_, isa));
+    return out;
+  }
+
+  // KernelLayer.__call__, step for step.
+  std::pair<at::Tensor, at::Tensor> layer_forward(const StackLayer& L, const at::Tensor& x, const at::Tensor& normed,
+                                                  const StackInputs& in) const {
+    const int64_t B = x.size(0), T = x.size(1);
+    std::vector<at::Tensor> qkv = project(L.qkv, normed, in.isa);
+    if (qkv.size() == 1) qkv = at::split_with_sizes(qkv[0], L.qkv_sizes, -1);
+    at::Tensor keys = in.keys[L.cache_index], values = in.values[L.cache_index];
+    const at::Tensor q = rope_store(qkv[0], qkv[1], qkv[2], L.q_norm, L.k_norm, L.eps, L.gemma, in.cos[L.kind],
+                                    in.sin[L.kind], keys, values, in.slots);
+    const at::Tensor& mask = in.masks[L.kind];
+    const int64_t span = mask.size(-1);
+    const at::Tensor heads = decode_attention(q, keys.slice(2, 0, span), values.slice(2, 0, span), mask, L.scale);
+    const at::Tensor attn = L.o(heads.transpose(1, 2).reshape({B, T, -1}), quant_, in.isa);
+    // Gemma's sandwich norms: the sublayer's output is normed before the residual add
+    std::vector<at::Tensor> mid = L.gemma ? residual_norm(x, attn, L.post_attention, *L.pre_feedforward, L.eps, true)
+                                          : residual_norm(x, attn, std::nullopt, L.post_attention, L.eps, false);
+    const std::vector<at::Tensor> gate_up = project(L.gate_up, mid[1], in.isa);
+    const at::Tensor act = gated_activation(gate_up[0], gate_up.size() > 1 ? std::optional<at::Tensor>(gate_up[1])
+                                                                            : std::nullopt, L.gelu);
+    const at::Tensor mlp = L.down(act, quant_, in.isa);
+    const std::vector<at::Tensor> out = residual_norm(mid[0], mlp, L.post_feedforward, L.next_norm, L.eps, L.gemma);
+    return {out[0], out[1]};
+  }
+
+  std::vector<StackLayer> layers_;
+  QuantLinearFn quant_ = nullptr;
+};
+
 // ---- Greedy choice: torch.argmax's answer (the first index of the maximum; the first NaN if any) in one pass
 // over the row, far cheaper than PyTorch's reduction over a 262k vocabulary.
 
@@ -935,6 +1100,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax", &argmax, "torch.argmax(logits, -1) of fp32 logits, one pass", py::arg("logits"),
         py::call_guard<py::gil_scoped_release>());
+  py::class_<KernelLinear>(m, "KernelLinear", "a row-invariant linear of a LayerStack");
+  m.def("bf16_linear", &bf16_linear, "a LayerStack linear over a bf16 weight (small_linear)", py::arg("weight"),
+        py::arg("bias"));
+  m.def("packed_linear",
+        [](std::vector<at::Tensor> qs, std::vector<std::optional<at::Tensor>> planes, std::vector<at::Tensor> scales,
+           std::vector<std::optional<at::Tensor>> offsets, std::vector<int64_t> N, std::vector<int64_t> bits,
+           std::vector<int64_t> group, std::vector<int64_t> zero, const std::optional<at::Tensor>& bias) {
+          return packed_linear({std::move(qs), std::move(planes), std::move(scales), std::move(offsets), std::move(N),
+                                std::move(bits), std::move(group), std::move(zero)}, bias);
+        },
+        "a LayerStack linear over packed weights (quant_linear; the arguments of quant.kernel_args)", py::arg("qs"),
+        py::arg("planes"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("bits"), py::arg("group"),
+        py::arg("zero"), py::arg("bias"));
+  py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a LayerStack")
+      .def(py::init([](std::vector<KernelLinear> qkv, std::vector<int64_t> qkv_sizes, KernelLinear o,
+                       std::vector<KernelLinear> gate_up, KernelLinear down, std::optional<at::Tensor> q_norm,
+                       std::optional<at::Tensor> k_norm, at::Tensor post_attention,
+                       std::optional<at::Tensor> pre_feedforward, std::optional<at::Tensor> post_feedforward,
+                       at::Tensor next_norm, double eps, double scale, bool gemma, bool gelu, int64_t cache_index,
+                       int64_t kind) {
+             return StackLayer{std::move(qkv), std::move(qkv_sizes), std::move(o), std::move(gate_up),
+                               std::move(down), std::move(q_norm), std::move(k_norm), std::move(pre_feedforward),
+                               std::move(post_feedforward), std::move(post_attention), std::move(next_norm), eps,
+                               scale, gemma, gelu, cache_index, kind};
+           }),
+           py::arg("qkv"), py::arg("qkv_sizes"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attention"), py::arg("pre_feedforward"),
+           py::arg("post_feedforward"), py::arg("next_norm"), py::arg("eps"), py::arg("scale"), py::arg("gemma"),
+           py::arg("gelu"), py::arg("cache_index"), py::arg("kind"))
+      .def_property_readonly("uses_packed", &StackLayer::uses_packed);
+  py::class_<LayerStack>(m, "LayerStack", "every decoder layer of a forward in one call")
+      .def(py::init<std::vector<StackLayer>, std::optional<py::capsule>>(), py::arg("layers"),
+           py::arg("quant_linear"))
+      .def("forward",
+           [](const LayerStack& stack, at::Tensor x, at::Tensor normed, const std::vector<at::Tensor>& cos,
+              const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& masks,
+              const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values, const at::Tensor& slots,
+              const std::string& isa, std::vector<int64_t> keep) {
+             return stack.forward(std::move(x), std::move(normed), {cos, sin, masks, keys, values, slots, isa},
+                                  std::move(keep));
+           },
+           "(final norm of the last layer's output, the outputs of the layers in keep)", py::arg("x"),
+           py::arg("normed"), py::arg("cos"), py::arg("sin"), py::arg("masks"), py::arg("keys"), py::arg("values"),
+           py::arg("slots"), py::arg("isa"), py::arg("keep"), py::call_guard<py::gil_scoped_release>());
   m.def("variant", [] {
     std::string linear = kDotPath;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)

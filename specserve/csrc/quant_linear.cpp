@@ -501,9 +501,17 @@ std::string best_isa() {
 
 }  // namespace
 
+// The C++ entry of quant_linear for another extension (cpu_kernels.cpp's layer stack, which calls it once per
+// linear without going through Python): a function pointer in a capsule whose name states its signature, so the
+// caller can refuse a pointer of another one. Both extensions run against the same torch in the same process.
+using QuantLinearFn = decltype(&quant_linear);
+constexpr const char* kQuantLinearCapsule = "specserve.quant_linear.v1";
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant",
         py::call_guard<py::gil_scoped_release>());
+  m.attr("quant_linear_capsule") =
+      py::capsule(reinterpret_cast<void*>(static_cast<QuantLinearFn>(&quant_linear)), kQuantLinearCapsule);
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
   m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
   m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");

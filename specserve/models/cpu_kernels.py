@@ -213,6 +213,28 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor | None, n
     return total, normed
 
 
+# The decoder layers in one call (kernel_forward.py builds them; see the C++ for what each field is).
+
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
+    """A LayerStack linear computing small_linear(x, weight, bias)."""
+    return _require().bf16_linear(weight, bias)
+
+
+def packed_linear(args: tuple[list, ...], bias: torch.Tensor | None):
+    """A LayerStack linear computing quant.packed_matmul(x, args, bias) (args: quant.kernel_args)."""
+    return _require().packed_linear(*args, bias)
+
+
+def stack_layer(**fields):
+    """One decoder layer of a LayerStack: its linears, norm weights and settings."""
+    return _require().StackLayer(**fields)
+
+
+def layer_stack(layers: list, quant_linear_capsule=None):
+    """The layers as one C++ call per forward; packed linears need quant.quant_linear_capsule()."""
+    return _require().LayerStack(layers, quant_linear_capsule)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) for fp32 logits (the first maximum, or the first NaN), in one vectorized pass:
     PyTorch's reduction costs ~3% of a decoding step over a 262k vocabulary. PyTorch's own where the kernels are

@@ -7,45 +7,52 @@ after it), gate/up, `gated_activation`, down, `residual_norm` again (its norm is
 final one). Each kernel rounds as the PyTorch ops it replaces, so the layer computes what the PyTorch layer of
 transformer.py computes on the same kernels for the linears and attention.
 
-What the calls need is gathered once per model (`KernelLayer`): nn.Module attribute lookups and per-call checks
-cost more than the glue kernels themselves (~3.5 ms of Python in a 20 ms step of the 270M default model).
+What the calls need is gathered once per model (`KernelPlan`): nn.Module attribute lookups and per-call checks
+cost more than the glue kernels themselves. Two loops run the plan: by default cpu_kernels.cpp's `LayerStack` runs
+every layer in one C++ call (the Python between ~160 kernel calls cost ~2.3 ms of a 17 ms step of the 270M default
+model); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
+the tests hold the C++ loop to, bit for bit.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 from torch import nn
 
-from specserve.models import cpu_kernels
+from specserve.models import cpu_kernels, quant
 from specserve.models.quant import FusedQuantLinear, QuantLinear, packed_matmul
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
+LAYER_LOOP = "SPECSERVE_LAYER_LOOP"  # "python": the reference loop; unset or "cpp": the one-call C++ loop
+LAYER_LOOPS = ("cpp", "python")
 
 
-def row_invariant_linear(layer: nn.Module) -> Linear:
-    """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one."""
+def linear_weights(layer) -> tuple[tuple | None, torch.Tensor | None, torch.Tensor | None]:
+    """(packed kernel args, bf16 weight, bias) of a linear, exactly one of the first two set. `layer` is a
+    (Fused)QuantLinear, an nn.Linear, or a fused bf16 weight (a tensor, or a (weight, bias) pair)."""
     if isinstance(layer, (QuantLinear, FusedQuantLinear)):
-        args, bias = layer.args, layer.bias
+        return layer.args, None, layer.bias
+    if isinstance(layer, nn.Module):
+        return None, layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
+    weight, bias = layer if isinstance(layer, tuple) else (layer, None)
+    return None, weight, bias
+
+
+def row_invariant_linear(layer) -> Linear:
+    """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one."""
+    args, weight, bias = linear_weights(layer)
+    if args is not None:
         return lambda x: packed_matmul(x, args, bias)
-    weight, bias = layer.weight.detach(), None if layer.bias is None else layer.bias.detach()
     return lambda x: cpu_kernels.small_linear(x, weight, bias)
 
 
-def projections(fused, parts: list[nn.Module], split: bool = True) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """x -> [part(x) for part in parts], in one kernel call when the parts have a fused weight (then, with split
-    False, [the fused output])."""
-    sizes = [part.out_features for part in parts]
-    if isinstance(fused, FusedQuantLinear):
-        linear = row_invariant_linear(fused)
-    elif fused is not None:  # a fused bf16 weight (and bias)
-        weight, bias = fused if isinstance(fused, tuple) else (fused, None)
-        linear = lambda x: cpu_kernels.small_linear(x, weight, bias)  # noqa: E731
-    else:
-        linears = [row_invariant_linear(part) for part in parts]
-        return lambda x: [linear(x) for linear in linears]
-    return (lambda x: linear(x).split(sizes, dim=-1)) if split else (lambda x: [linear(x)])
+def stack_linear(layer):
+    """The same linear as a LayerStack's (see row_invariant_linear)."""
+    args, weight, bias = linear_weights(layer)
+    return cpu_kernels.packed_linear(args, bias) if args is not None else cpu_kernels.bf16_linear(weight, bias)
 
 
 class KernelLayer:
@@ -55,9 +62,14 @@ class KernelLayer:
         attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
         self.index, self.layer_type = attn.layer_idx, layer.layer_type
         self.eps, self.gemma, self.scale, self.gelu = spec.rms_norm_eps, spec.gemma, spec.attn_scale, mlp.gelu
-        self.qkv = projections(attn.qkv_quant or attn.qkv, [attn.q_proj, attn.k_proj, attn.v_proj])
-        # unsplit: the activation kernel reads a fused [.., 2 I] output as it is
-        self.gate_up = projections(mlp.gate_up_quant or mlp.gate_up, [mlp.gate_proj, mlp.up_proj], split=False)
+        # the linears: one fused weight for several parts when there is one, else the parts
+        fused_qkv, fused_gate_up = attn.qkv_quant or attn.qkv, mlp.gate_up_quant or mlp.gate_up
+        self.qkv_linears = [fused_qkv] if fused_qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv_sizes = [part.out_features for part in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.gate_up_linears = [fused_gate_up] if fused_gate_up is not None else [mlp.gate_proj, mlp.up_proj]
+        self.o_linear, self.down_linear = attn.o_proj, mlp.down_proj
+        self.qkv = [row_invariant_linear(linear) for linear in self.qkv_linears]
+        self.gate_up = [row_invariant_linear(linear) for linear in self.gate_up_linears]
         self.o, self.down = row_invariant_linear(attn.o_proj), row_invariant_linear(mlp.down_proj)
         norms = {"q": getattr(attn, "q_norm", None), "k": getattr(attn, "k_norm", None), "next": next_norm,
                  "post_attention": layer.post_attention_layernorm,
@@ -70,11 +82,16 @@ class KernelLayer:
         """False once a norm weight changed in place (its kernel weight is derived from it)."""
         return all(weight._version == version for weight, version in self.norm_versions)
 
+    def project_qkv(self, normed: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.qkv) == 1:
+            return self.qkv[0](normed).split(self.qkv_sizes, dim=-1)
+        return [linear(normed) for linear in self.qkv]
+
     def __call__(self, x, normed, cos, sin, cache, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, next norm of it) for the residual stream x [B, T, H] and normed = its input norm."""
         norm, eps, gemma = self.norm, self.eps, self.gemma
         bsz, seq, _ = x.shape
-        q, k, v = self.qkv(normed)
+        q, k, v = self.project_qkv(normed)
         keys, values = cache.keys[self.index], cache.values[self.index]
         q = cpu_kernels.rope_store(q, k, v, norm["q"], norm["k"], eps, gemma, cos, sin, keys, values, slots)
         span = mask.shape[-1]
@@ -84,18 +101,79 @@ class KernelLayer:
             x, normed = cpu_kernels.residual_norm(x, attn, norm["post_attention"], norm["pre_feedforward"], eps, gemma)
         else:
             x, normed = cpu_kernels.residual_norm(x, attn, None, norm["post_attention"], eps, gemma)
-        gate_up = self.gate_up(normed)
+        # a fused gate/up output [.., 2 I] goes to the activation kernel as it is
+        gate_up = [linear(normed) for linear in self.gate_up]
         mlp = self.down(cpu_kernels.gated_activation(gate_up[0], gate_up[1] if len(gate_up) > 1 else None,
                                                      self.gelu))
         return cpu_kernels.residual_norm(x, mlp, norm["post_feedforward"], norm["next"], eps, gemma)
 
+    def stack_layer(self, kind: int):
+        """This layer for cpu_kernels' LayerStack; `kind` indexes the forward's per-layer-type rope and masks."""
+        norm = self.norm
+        return cpu_kernels.stack_layer(
+            qkv=[stack_linear(linear) for linear in self.qkv_linears], qkv_sizes=self.qkv_sizes,
+            o=stack_linear(self.o_linear), gate_up=[stack_linear(linear) for linear in self.gate_up_linears],
+            down=stack_linear(self.down_linear), q_norm=norm["q"], k_norm=norm["k"],
+            post_attention=norm["post_attention"], pre_feedforward=norm["pre_feedforward"],
+            post_feedforward=norm["post_feedforward"], next_norm=norm["next"], eps=self.eps, scale=self.scale,
+            gemma=self.gemma, gelu=self.gelu, cache_index=self.index, kind=kind)
 
-def kernel_layers(model) -> list[KernelLayer]:
-    """The model's KernelLayers, built on first use and again when a norm weight changed (see `current`)."""
-    layers = model.model.layers
-    plan = model.__dict__.get("_kernel_layers")
-    if plan is None or not all(layer.current() for layer in plan):
+
+class KernelPlan:
+    """A model's KernelLayers and, made on first use, the LayerStack that runs them in one C++ call."""
+
+    def __init__(self, model):
+        layers = model.model.layers
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
-        plan = [KernelLayer(layer, next_norm) for layer, next_norm in zip(layers, norms)]
+        self.layers = [KernelLayer(layer, next_norm) for layer, next_norm in zip(layers, norms)]
+        self.layer_types = list(dict.fromkeys(layer.layer_type for layer in self.layers))
+        self._stack = None
+
+    def current(self) -> bool:
+        return all(layer.current() for layer in self.layers)
+
+    @property
+    def stack(self):
+        if self._stack is None:
+            kinds = {layer_type: kind for kind, layer_type in enumerate(self.layer_types)}
+            layers = [layer.stack_layer(kinds[layer.layer_type]) for layer in self.layers]
+            packed = any(layer.uses_packed for layer in layers)
+            self._stack = cpu_kernels.layer_stack(layers, quant.quant_linear_capsule() if packed else None)
+        return self._stack
+
+    def run(self, x, normed, rope, masks, cache, slots, output_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """(the final norm of the last layer's output, {i: layer i's output for i in output_layers}) for the
+        residual stream x [B, T, H], normed = the first layer's input norm of it; `rope` and `masks` map each
+        layer type to its (cos, sin) and mask."""
+        loop = os.environ.get(LAYER_LOOP) or "cpp"
+        if loop == "cpp":
+            return self._run_stack(x, normed, rope, masks, cache, slots, output_layers)
+        if loop == "python":
+            return self._run_python(x, normed, rope, masks, cache, slots, output_layers)
+        raise ValueError(f"{LAYER_LOOP}={loop!r}: use one of {', '.join(LAYER_LOOPS)}")
+
+    def _run_stack(self, x, normed, rope, masks, cache, slots, output_layers):
+        keep = sorted({i for i in output_layers if 0 <= i < len(self.layers)})
+        types = self.layer_types
+        normed, kept = self.stack.forward(x, normed, [rope[t][0] for t in types], [rope[t][1] for t in types],
+                                          [masks[t] for t in types], cache.keys, cache.values, slots, quant.isa(),
+                                          keep)
+        return normed, dict(zip(keep, kept))
+
+    def _run_python(self, x, normed, rope, masks, cache, slots, output_layers):
+        hidden: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.layer_type]
+            x, normed = layer(x, normed, cos, sin, cache, slots, masks[layer.layer_type])
+            if i in output_layers:
+                hidden[i] = x
+        return normed, hidden
+
+
+def kernel_plan(model) -> KernelPlan:
+    """The model's KernelPlan, built on first use and again when a norm weight changed (see `current`)."""
+    plan = model.__dict__.get("_kernel_layers")
+    if plan is None or not plan.current():
+        plan = KernelPlan(model)
         model.__dict__["_kernel_layers"] = plan
     return plan

@@ -345,6 +345,11 @@ def _kernel():
     return _ext
 
 
+def quant_linear_capsule():
+    """The kernel's quant_linear as a C++ function pointer (a capsule), for cpu_kernels' LayerStack."""
+    return _kernel().quant_linear_capsule
+
+
 def best_isa() -> str:
     return _kernel().best_isa()
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.models.kernel_forward import kernel_layers
+from specserve.models.kernel_forward import kernel_plan
 from specserve.models.kv_cache import KVCache
 from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear
 
@@ -424,12 +424,7 @@ class CausalLM(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         if row_invariant:  # each layer's output comes with the next norm of it; the last one's is the final norm
             normed = self.model.layers[0].input_layernorm(x)
-            for i, layer in enumerate(kernel_layers(self)):
-                cos, sin = rope[layer.layer_type]
-                x, normed = layer(x, normed, cos, sin, cache, slots, masks[layer.layer_type])
-                if i in output_layers:
-                    hidden[i] = x
-            x = normed
+            x, hidden = kernel_plan(self).run(x, normed, rope, masks, cache, slots, output_layers)
         else:
             for i, layer in enumerate(self.model.layers):
                 cos, sin = rope[layer.layer_type]

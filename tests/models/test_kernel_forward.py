@@ -1,6 +1,7 @@
 """The row-invariant forward of bf16 models (decoding, chain and tree verification, drafting): its glue kernels
 round as the PyTorch ops they replace, a token's logits are bit-identical for 1..64 rows in any batch, the whole
-forward tracks PyTorch's, and greedy speculation equals plain decoding on it, for every supported family."""
+forward tracks PyTorch's, and greedy speculation equals plain decoding on it, for every supported family. The C++
+layer loop (the default) computes exactly what the Python reference loop computes, for bf16 and packed weights."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import torch.nn.functional as F
 
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels as ck
+from specserve.models import quant
+from specserve.models.kernel_forward import LAYER_LOOP
 from specserve.models.kv_cache import KVCache
-from specserve.models.loader import load_model
+from specserve.models.loader import build_model, load_model
 from specserve.models.transformer import RMSNorm, rotate_half
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
+from tests.models.test_quant import isa_paths, random_gguf
 
 if not ck.available():
     pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)
@@ -160,3 +164,101 @@ def test_bf16_speculation_equals_plain(family, bf16_model):
         for method, draft_len in [(NGramMethod(1, 3), 4), (DraftModelMethod(bf16_model(family, 1).model, vocab), 3),
                                   (DraftModelMethod(target.model, vocab), 8)]:
             assert Engine(target, method, draft_len).generate(prompt, params).token_ids == expected, method
+
+
+# ---------------------------------------------------------------- the C++ layer loop against the Python one
+
+def run_chain(model, tokens: torch.Tensor, split: list[int], output_layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Logits, the requested hidden states and the whole KV cache after forwarding tokens in chunks of `split`."""
+    cache = KVCache.for_model(model, tokens.shape[0], tokens.shape[1])
+    positions = torch.arange(tokens.shape[1])[None].expand(tokens.shape[0], -1)
+    results, start = [], 0
+    for size in split:
+        span = slice(start, start + size)
+        out = model(tokens[:, span], positions[:, span], cache, positions[:, span], output_layers=output_layers)
+        results += [out.logits, *(out.hidden_states[i] for i in output_layers)]
+        start += size
+        cache.lengths[:] = start
+    return results + cache.keys + cache.values
+
+
+def assert_loops_agree(model, monkeypatch, splits=([16, 1, 2, 3, 5, 8, 13, 32], [1, 15, 64])):
+    """Both layer loops give the same bits: logits, hidden states (first, last and final-normed) and KV cache."""
+    assert model.kernels_usable
+    tokens = torch.randint(3, 384, (2, 80))
+    output_layers = (0, model.spec.num_layers - 1, -1)
+    for split in splits:
+        runs = {}
+        for loop in ("python", "cpp"):
+            monkeypatch.setenv(LAYER_LOOP, loop)
+            runs[loop] = run_chain(model, tokens, split, output_layers)
+        assert all(torch.equal(a, b) for a, b in zip(runs["python"], runs["cpp"], strict=True)), split
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpp_layer_loop_equals_python_loop_bf16(family, bf16_model, monkeypatch):
+    assert_loops_agree(bf16_model(family).model, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cpp_layer_loop_equals_python_loop_quantized(family, kind, checkpoint, monkeypatch):
+    model = load_model(checkpoint(family), dtype=torch.bfloat16, quantization=kind).model
+    assert model.quantization == kind
+    assert_loops_agree(model, monkeypatch, splits=([16, 1, 7, 56],))
+
+
+# Two layers of GGUF types: every supported format, mixed within fused q/k/v (as Q4_K_M's Q6_K v) and gate/up.
+GGUF_LAYER_FORMATS = [
+    {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q4_0", "up_proj": "Q5_1",
+     "down_proj": "Q8_0"},
+    {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q6_K", "up_proj": "Q6_K",
+     "down_proj": "Q4_K"},
+]
+WIDE = dict(vocab_size=384, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, max_position_embeddings=512, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+
+
+def gguf_model(family: str, projections: tuple[str, ...]):
+    """A bf16 model of 256-wide layers (K-quants need 256 inputs) whose `projections` hold random GGUF blocks."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen2Config
+
+    if family == "gemma3":
+        config = Gemma3TextConfig(**WIDE, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=64,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    else:  # Qwen2: Llama's layout with q/k/v biases, which the packed kernel adds
+        config = Qwen2Config(**WIDE, num_hidden_layers=2, tie_word_embeddings=False)
+    state = AutoModelForCausalLM.from_config(config).state_dict()
+    packed = {}
+    for name, weight in state.items():
+        parts = name.split(".")
+        if len(parts) > 4 and parts[1] == "layers" and parts[-2] in projections and parts[-1] == "weight":
+            kind = GGUF_LAYER_FORMATS[int(parts[2]) % 2][parts[-2]]
+            raw = random_gguf(kind, *weight.shape, seed=len(packed))
+            packed[name] = quant.PackedWeight.from_codes(quant.decode_gguf(kind, raw, tuple(weight.shape)))
+    return build_model(config, state, torch.bfloat16, packed=packed)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_cpp_layer_loop_equals_python_loop_gguf_every_isa(family, monkeypatch):
+    model = gguf_model(family, tuple(GGUF_LAYER_FORMATS[0]))
+    assert model.model.layers[0].self_attn.qkv_quant is not None  # fused, of mixed formats
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        assert_loops_agree(model, monkeypatch, splits=([16, 1, 7, 56],))
+
+
+def test_cpp_layer_loop_equals_python_loop_packed_and_bf16_unfused(monkeypatch):
+    """Packed q/k/v with bf16 gate/up: nothing is fused, each part is its own kernel call."""
+    model = gguf_model("qwen2", ("q_proj", "k_proj", "v_proj"))
+    mlp = model.model.layers[0].mlp
+    assert model.model.layers[0].self_attn.qkv_quant is None and mlp.gate_up is None and mlp.gate_up_quant is None
+    assert_loops_agree(model, monkeypatch, splits=([16, 1, 7, 56],))
+
+
+def test_an_unknown_layer_loop_is_refused(bf16_model, monkeypatch):
+    model = bf16_model("llama").model
+    monkeypatch.setenv(LAYER_LOOP, "rust")
+    with pytest.raises(ValueError, match="SPECSERVE_LAYER_LOOP"):
+        run_chain(model, torch.randint(3, 384, (1, 4)), [4], ())
