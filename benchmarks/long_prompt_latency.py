@@ -86,9 +86,9 @@ def timed(url: str, body: dict) -> float:
 
 
 def long_text(questions: list[str], tokens: int) -> str:
-    """About `tokens` tokens of text (~4 characters per token for English questions), varied rather than one
+    """About `tokens` tokens of text (~5 characters per token for these questions), varied rather than one
     sentence repeated, so no n-gram draft shortcut applies."""
-    words, text = tokens * 4, []
+    words, text = tokens * 5, []
     while sum(map(len, text)) < words:
         text.extend(questions)
     return " ".join(text)[:words]

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include "fp_mode.h"
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -292,7 +293,7 @@ void linear_dot(const Linear& L) {
   // Threads split N: that moves whole output columns between threads, never changes their arithmetic.
   const int64_t blocks = (L.N + kNR - 1) / kNR;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kNR * std::max<int64_t>(L.K, 1) * L.M));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) linear_block(L, blk * kNR, std::min<int64_t>(kNR, L.N - blk * kNR));
   });
 }
@@ -406,7 +407,7 @@ void linear_amx(const Linear& L) {
   const std::vector<uint32_t> packed = pack_x(L, chunks, mblocks);
   const int64_t nblocks = (L.N + 2 * kTileN - 1) / (2 * kTileN);
   const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(chunks, 1));
-  at::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, nblocks, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t nb = begin; nb < end; ++nb)
       for (int64_t m0 = 0; m0 < L.M; m0 += 2 * kTileM) amx_block(L, packed.data(), chunks, nb * 2 * kTileN, m0);
@@ -624,7 +625,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   std::vector<Keys> keys(B * T);
   std::vector<float> q32(B * H * T * D);
   std::vector<Row> rows(heads * R);
-  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T;
       visible_keys(mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2), mask.stride(3), S, keys[bt]);
@@ -642,16 +643,16 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const int64_t split = (at::get_num_threads() + heads - 1) / std::max<int64_t>(heads, 1);
   const int64_t key_chunk = round_up((S + split - 1) / split, kKeyTile), key_chunks = (S + key_chunk - 1) / key_chunk;
   const int64_t dim_chunk = round_up((D + split - 1) / split, 32), dim_chunks = (D + dim_chunk - 1) / dim_chunk;
-  at::parallel_for(0, heads * key_chunks, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, heads * key_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t head = i / key_chunks, s0 = i % key_chunks * key_chunk;
       score_range(a, head, &rows[head * R], &keys[head / Hkv * T], s0, std::min(S, s0 + key_chunk));
     }
   });
-  at::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) softmax_numerators(rows[i]);
   });
-  at::parallel_for(0, heads * dim_chunks, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, heads * dim_chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t head = i / dim_chunks, d0 = i % dim_chunks * dim_chunk;
       value_range(a, head, &rows[head * R], &keys[head / Hkv * T], d0, std::min(D, d0 + dim_chunk));
@@ -692,7 +693,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   at::Tensor out = at::empty_like(x);
   const bf16* src = x.data_ptr<bf16>();
   bf16* dst = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) norm_row(src + r * D, w, D, float(eps), gemma, dst + r * D);
   });
   return out;
@@ -754,7 +755,7 @@ at::Tensor rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     else std::copy(src, src + D, dst);
     rope_row(dst, c, sn, D);
   };
-  at::parallel_for(0, B * T, kRowGrain, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, B * T, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T, s = slot[bt];
       const bf16 *c = at_bt(cos, b, t), *sn = at_bt(sin, b, t);
@@ -827,7 +828,7 @@ at::Tensor gated_activation(const at::Tensor& gate_in, const std::optional<at::T
   shape.back() = I;
   at::Tensor out = at::empty(shape, gate_in.options());
   bf16* dst = out.data_ptr<bf16>();
-  at::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, M, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) gated_row(gate + m * stride, up + m * stride, I, gelu, dst + m * I);
   });
   return out;
@@ -846,7 +847,7 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& y,
   at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
   const bf16 *xs = x.data_ptr<bf16>(), *ys = y.data_ptr<bf16>();
   bf16 *out = sum.data_ptr<bf16>(), *no = normed.data_ptr<bf16>();
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<bf16> yn(D);
     for (int64_t r = begin; r < end; ++r) {
       const bf16* yr = ys + r * D;
@@ -1074,7 +1075,7 @@ at::Tensor argmax(const at::Tensor& logits_in) {
   at::Tensor out = at::empty(shape, logits.options().dtype(at::kLong));
   int64_t* dst = out.data_ptr<int64_t>();
   const float* src = logits.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * V, V);
   });
   return out;

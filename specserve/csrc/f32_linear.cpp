@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include "fp_mode.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -89,7 +90,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
   float* yd = y.data_ptr<float>();
   constexpr int64_t kNR = 2;
   const int64_t pairs = N / kNR;
-  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) rows_block<kNR>(xd, M, wd, p * kNR, K, yd, N);
   });
   if (N % kNR) rows_block<1>(xd, M, wd, N - 1, K, yd, N);

@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include "fp_mode.h"
 #include <immintrin.h>
 
 #include <algorithm>
@@ -307,7 +308,7 @@ std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
 // p = round(x / dx) with dx = max|x| / 127 per block of 32; psum per 16. Row by row, in one fixed order.
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t c = 0; c < K / kBlock; ++c) {
         const T* src = x + m * K + c * kBlock;
@@ -404,7 +405,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y32 = out_type == at::kFloat ? y.data_ptr<float>() : nullptr;
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
     float block[kMaxRows * kTile];
     for (int64_t item = begin; item < end; ++item) {
       const auto [i, tile] = work[item];
@@ -439,7 +440,7 @@ at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, cons
   at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   const int sub = W.subblocks();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t tile = ids[r] / kTile, n = ids[r] % kTile;
       for (int64_t kb = 0; kb < W.kblocks; ++kb)
@@ -483,7 +484,7 @@ int64_t stream_read(const at::Tensor& buffer) {
   const uint8_t* bytes = static_cast<const uint8_t*>(buffer.data_ptr());
   const bool wide = detect() != Isa::scalar;
   std::vector<uint64_t> partial(at::get_num_threads() + 1, 0);
-  at::parallel_for(0, int64_t(buffer.nbytes() / 64), 4096, [&](int64_t begin, int64_t end) {
+  specserve::parallel_for(0, int64_t(buffer.nbytes() / 64), 4096, [&](int64_t begin, int64_t end) {
     partial[at::get_thread_num()] ^= wide ? xor_lines_avx2(bytes, begin, end) : xor_lines_scalar(bytes, begin, end);
   });
   uint64_t total = 0;

@@ -67,7 +67,7 @@ def code_version() -> str:
     import hashlib
 
     models = Path(__file__).resolve().parent.parent / "models"
-    sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.cpp"))
+    sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.[ch]*"))
     return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
 
 

@@ -56,7 +56,8 @@ def _compile(name: str, source: Path, flags: list[str]):
     # The .so is tied to the Python and torch it was built against, and to its source: a folder per source
     # version, so two checkouts (or an upgrade) never rebuild over each other's kernels.
     abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))  # fp_mode.h
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
     build_dir = _build_root() / abi / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{name}.so"

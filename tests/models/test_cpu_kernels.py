@@ -172,3 +172,18 @@ def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
     x[4] = 0.0
     assert torch.equal(ck.argmax(x), x.argmax(-1))
     assert ck.argmax(x).tolist() == [10, 50, 0, 99, 0]
+
+
+@pytest.mark.parametrize("caller_flushes", [False, True])
+def test_every_thread_computes_with_denormals_flushed(caller_flushes):
+    """Kernels compute in one floating-point mode on every thread, whatever the calling thread's: a denormal input
+    reads as zero (the model's loading thread flushes denormals; OpenMP workers may not), so a row cannot round
+    one way alone and another in a batch that splits it onto another thread."""
+    # bf16 bits 0x000b: exponent 0, mantissa 11, ~1e-39 (built from bits: a flushing thread would make it 0)
+    x = torch.full((200, 64), 0x000B, dtype=torch.int16).view(torch.bfloat16)
+    torch.set_flush_denormal(caller_flushes)
+    try:
+        for rows in (1, 3, 200):  # x * rsqrt(mean(x^2) + eps) would be ~1e-36, a normal number, were x read as is
+            assert torch.count_nonzero(ck.rms_norm(x[:rows], torch.ones(64), 1e-6, False)) == 0
+    finally:
+        torch.set_flush_denormal(True)  # as a loaded model leaves it
