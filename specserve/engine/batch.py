@@ -97,7 +97,7 @@ class BatchEngine:
     """Rows 0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled
     with the last one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
 
-    PREFILL_SHARE = 0.3  # of the time, at most, for long prompts' chunks while other requests decode
+    PREFILL_SHARE = 0.25  # of the time, at most, for long prompts' chunks while other requests decode
 
     def __init__(self, engine: Engine, max_batch_size: int, capacity: int | None = None,
                  adaptive_draft: bool = True):
