@@ -4,8 +4,8 @@
     result = (await handle.collect()).result       # or: async for event in handle (StreamEvents; the last has
                                                    # .result), then await handle.aclose()
 
-Between engine steps the worker admits queued requests into free batch rows (up to `max_active`), runs one
-`BatchEngine.step` on the compute thread and hands each request its event. `handle.cancel()` drops a queued
+The worker thread waits for work and hands the compute thread slices of steps: between `BatchEngine.step`s it
+admits queued requests into free batch rows (up to `max_active`) and hands each request its event. `handle.cancel()` drops a queued
 request or stops a running one before its next step; a consumer that goes away (its task cancelled) cancels too.
 A front end passes a `RequestObserver` to `submit` to learn how the request ended (metrics, cancel by id).
 """
