@@ -5,8 +5,9 @@
                                                    # .result), then await handle.aclose()
 
 The worker thread waits for work and hands the compute thread slices of steps: between `BatchEngine.step`s it
-admits queued requests into free batch rows (up to `max_active`) and hands each request its event. `handle.cancel()` drops a queued
-request or stops a running one before its next step; a consumer that goes away (its task cancelled) cancels too.
+admits queued requests into free batch rows (up to `max_active`) and hands each request its event.
+`handle.cancel()` drops a queued request or stops a running one before its next step; a consumer that goes away
+(its task cancelled) cancels too.
 A front end passes a `RequestObserver` to `submit` to learn how the request ended (metrics, cancel by id).
 """
 
@@ -311,8 +312,12 @@ class Runner:
                     self._cv.wait()
                 if self._closing and not self._queue and not self._owners:
                     return
-            with self._step_lock:
-                COMPUTE.run(self._run_slice, batch)
+            try:
+                with self._step_lock:
+                    COMPUTE.run(self._run_slice, batch)
+            except Exception as exc:  # noqa: BLE001 - a bug between steps must not stop the worker or hang requests
+                log.exception("runner %s: a slice of steps failed", self.name)
+                COMPUTE.run(self._fail_all, batch, exc)
 
     def _run_slice(self, batch) -> None:
         """On the compute thread, for up to SLICE_SECONDS (runners of other models share the thread): admit queued
@@ -338,9 +343,7 @@ class Runner:
             outputs = batch.step()
         except Exception as exc:  # noqa: BLE001 - the requests in this batch fail, the worker goes on
             log.exception("runner %s: engine step failed", self.name)
-            for handle in list(owners.values()):
-                batch.cancel(handle.sequence)
-                self._finish(handle, owners, "failed", exc)
+            self._fail_all(batch, exc)
             return
         for seq, event in outputs:
             handle = owners[id(seq)]
@@ -351,6 +354,12 @@ class Runner:
                 self._finish(handle, owners, "failed", event)
             else:
                 self._deliver(handle, event, owners)
+
+    def _fail_all(self, batch, exc: Exception) -> None:
+        """End every admitted request with `exc` (the last resort: a failure that no single request owns)."""
+        for handle in list(self._owners.values()):
+            batch.cancel(handle.sequence)
+            self._finish(handle, self._owners, "failed", exc)
 
     def _admit(self, batch: BatchEngine, handle: RequestHandle, owners: dict) -> None:
         timing = handle.timing
