@@ -177,11 +177,15 @@ class BatchEngine:
     def _join(self, seq: Sequence, cache: KVCache, event) -> list[tuple[Sequence, StreamEvent | Exception]]:
         """A prefilled request (its cache: row 0 of `cache`) becomes a row of the batch, unless it already ended."""
         if not isinstance(event, Exception) and not seq.finished:
-            self.rows.append(seq)
-            self.acceptance[seq] = Acceptance()
-            self._fit_cache()
-            self.cache.copy_row_from(cache, 0, len(self.rows) - 1)
+            self.cache.copy_row_from(cache, 0, self._add_row(seq))
         return [] if event is None else [(seq, event)]
+
+    def _add_row(self, seq: Sequence) -> int:
+        """Give a request the next row of the batch (the cache grows to hold it); returns the row."""
+        self.rows.append(seq)
+        self.acceptance[seq] = Acceptance()
+        self._fit_cache()
+        return len(self.rows) - 1
 
     def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
         draft_len = self.choose_draft_len(self.rows)
@@ -218,10 +222,7 @@ class BatchEngine:
         return events
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
-        row = len(self.rows)
-        self.rows.append(seq)
-        self.acceptance[seq] = Acceptance()
-        self._fit_cache()
+        row = self._add_row(seq)
         self.cache.lengths[row] = 0
         try:
             events = self.engine.forward(self.cache.view(row, 1), [seq])

@@ -124,7 +124,6 @@ def create_app(ctx: ServerContext, api_key: str | None = None) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.ctx = ctx
-    app.state.max_body_bytes = ctx.limits.max_body_bytes
     return app
 
 

@@ -25,14 +25,14 @@ def json_response(payload, status: int = 200, headers: dict | None = None) -> Re
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested deeper than any API here needs (KServe data: a few levels)
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a full 32k-token context is ~0.2 MB of text
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 async def read_body(request: Request) -> bytes:
-    """The raw body, refused with 413 once it passes the server's limit (before reading the rest)."""
-    limit = getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    """The raw body, refused with 413 once it passes the server's limit (`RequestLimits`) before the rest is
+    read."""
+    limit = request.app.state.ctx.limits.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise InputError(f"the request body is {declared} bytes; the limit is {limit}", status=413)

@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from specserve.engine.engine import StreamEvent
 from specserve.server.errors import InputError, failure_reason
-from specserve.server.http import DEFAULT_MAX_BODY_BYTES, with_disconnect
+from specserve.server.http import with_disconnect
 from specserve.server.metrics import ServerMetrics
 from specserve.server.repository import ModelRepository, ServedModel
 from specserve.server.runner import RequestHandle, RequestObserver, RequestTiming
@@ -50,7 +50,7 @@ class RequestLimits:
     """What one request may ask of the server, refused with a 4xx before any work (prompt length: the model's
     context, checked at submit)."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = 8 * 2**20  # a full 32k-token context is ~0.2 MB of text
     max_messages: int = 1024  # a chat's messages (OpenAI's own API allows 2048)
 
 
