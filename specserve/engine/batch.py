@@ -8,7 +8,9 @@ The draft length is chosen per step from the target's measured cost per forward 
 acceptance rate: it maximizes expected tokens per second, so speculation shrinks, or stops, when the batch is
 large enough that verifying drafts costs more than it brings. The acceptance estimate starts optimistic and
 forgets old evidence (`Acceptance`: the first draft token's rate and each later one's, given its predecessor),
-so a request alone keeps drafting wherever drafts pay.
+so a request alone keeps drafting wherever drafts pay. Where drafting runs no model (n-gram), the evidence is a full
+draft scored against the tokens the request then emits, verified or not (`ShadowDraft`), so a large batch that
+stopped drafting still learns when drafts would pay.
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
 from specserve.engine.step_costs import StepCosts
 from specserve.models.kv_cache import KVCache
+from specserve.speculative.ngram import common_prefix_length
 from specserve.speculative.sampling import SamplingParams
 
 
@@ -93,6 +96,24 @@ class Acceptance:
         return expected_tokens(self.first.value, draft_len, self.further.value)
 
 
+@dataclass
+class ShadowDraft:
+    """A draft that was not verified, waiting for the tokens it guessed. For a deterministic draft, matching the
+    emitted token is exactly as likely as verification accepting it (both happen with the target's probability of
+    the drafted token), so its score is the acceptance the draft would have had."""
+
+    start: int  # the context length when it was drafted: its first token guesses context[start]
+    tokens: list[int]
+
+    def verdict(self, seq: Sequence) -> tuple[int, int] | None:
+        """(drafted, accepted) once the request has emitted enough to tell, else None."""
+        emitted = seq.context[self.start: self.start + len(self.tokens)]
+        accepted = common_prefix_length(emitted, self.tokens)
+        if accepted < len(emitted) or len(emitted) == len(self.tokens):
+            return len(self.tokens), accepted
+        return None
+
+
 class BatchEngine:
     """Rows 0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled
     with the last one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
@@ -107,6 +128,7 @@ class BatchEngine:
         self.cache = KVCache.growable(engine.model, self.max_batch_size, self.capacity)
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
         self.acceptance: dict[Sequence, Acceptance] = {}
+        self.shadows: dict[Sequence, list[ShadowDraft]] = {}  # drafts scored, not verified (`_learns_from_shadows`)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
@@ -195,12 +217,16 @@ class BatchEngine:
         if not self.rows:
             return failed
         seqs = list(self.rows)
-        before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
         self._fit_cache()
-        events = self._forward(seqs)
-        for seq, (drafted, accepted) in zip(seqs, before):
-            self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
-                                        seq.metrics.total_accepted_draft_tokens - accepted)
+        if self._learns_from_shadows:
+            events = self._forward(seqs)
+            self._score_shadows(seqs)
+        else:
+            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
+            events = self._forward(seqs)
+            for seq, (drafted, accepted) in zip(seqs, before):
+                self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
+                                            seq.metrics.total_accepted_draft_tokens - accepted)
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -220,6 +246,38 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 - this row's own failure
                 events.append(exc)
         return events
+
+    @property
+    def _learns_from_shadows(self) -> bool:
+        """Where drafting is free, acceptance is learnt from full-length drafts that are not verified but scored
+        against the tokens the request then emits (`ShadowDraft`), whatever the step's draft length. Learnt
+        from verified drafts alone, a batch that stopped drafting learns nothing more and stays at its prior (at
+        8 requests on a CPU the prior's choice is a coin toss between 0 and 2, and a batch whose drafts would be
+        accepted 9 times in 10 decoded without them), and one drafting a token learns nothing about the next."""
+        return self.costs is not None and self.engine.method.drafts_for_free
+
+    def _score_shadows(self, seqs: list[Sequence]) -> None:
+        """Score the drafts the step's tokens decide, and draft from where each request now stands: one draft
+        per step, as verified drafts would be."""
+        for seq in seqs:
+            open_drafts = []
+            for shadow in self.shadows.get(seq, []):
+                verdict = shadow.verdict(seq)
+                if verdict is None:
+                    open_drafts.append(shadow)
+                else:
+                    self.acceptance[seq].update(*verdict)
+            if not seq.finished:
+                open_drafts += self._shadow_draft(seq)
+            self.shadows[seq] = open_drafts
+
+    def _shadow_draft(self, seq: Sequence) -> list[ShadowDraft]:
+        room = seq.draft_room(self.engine.max_draft_len)
+        try:
+            draft = seq.proposer.propose(seq.context, room).tokens if room else []
+        except Exception:  # noqa: BLE001 - the request goes on undrafted; its next real draft reports the failure
+            return []
+        return [ShadowDraft(len(seq.context), draft)] if draft else []
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         row = self._add_row(seq)
@@ -245,6 +303,7 @@ class BatchEngine:
             self.rows[row] = self.rows[last]
         self.rows.pop()
         del self.acceptance[seq]
+        self.shadows.pop(seq, None)
         self.cache.lengths[last] = 0
         self._fit_cache()
 

@@ -51,6 +51,7 @@ class NGramProposer(Proposer):
 
 class NGramMethod(SpecMethod):
     name = "ngram"
+    drafts_for_free = True
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
         check_lookup_bounds(prompt_lookup_min, prompt_lookup_max, ValueError)

@@ -125,6 +125,30 @@ def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
     assert adaptive.target_forwards <= 1.3 * fixed.target_forwards
 
 
+# drafting looks unprofitable at the prior acceptance (0.7 / 0.8), profitable at the real one (1.0)
+COSTS_AT_THE_EDGE = [1.0, 1.8, 2.8, 5.6, 11.2, 22.4, 44.8]
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free):
+    """Where drafting costs no forward, drafts the batch did not verify are scored against what the request
+    emits, so a choice of "no drafts" made on the prior is revised. Learnt from verified drafts alone (the
+    control), the estimate stays at its prior and the request decodes one token per forward."""
+    target = loaded("llama")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = Engine(target).generate(PROMPTS[0], params)
+    method = ScriptedMethod(target.tokenizer(PROMPTS[0]).input_ids + plain.token_ids, 0, target.model.spec.vocab_size)
+    method.drafts_for_free = free
+    batch = BatchEngine(Engine(target, method, 4), max_batch_size=4)
+    batch.costs.seconds = list(COSTS_AT_THE_EDGE)
+    result = run_batched(batch, [(PROMPTS[0], params)])[0]
+    assert result.token_ids == plain.token_ids
+    if free:
+        assert result.metrics.target_forwards < 20, result.metrics.target_forwards
+    else:
+        assert result.metrics.target_forwards == 40
+
+
 def test_acceptance_estimate_returns_to_its_prior():
     estimate = Acceptance()
     assert estimate.first.value == pytest.approx(Acceptance.PRIOR_FIRST)
