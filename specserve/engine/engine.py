@@ -23,7 +23,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import MAX_KERNEL_TOKENS
 from specserve.speculative.base import Proposal, SpecMethod
-from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs
 from specserve.speculative.verify import verify
 
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
@@ -38,6 +38,8 @@ class StreamEvent:
     text: str  # new text since the previous event
     token_ids: list[int]  # new token ids since the previous event
     result: GenerationResult | None = None  # set on the last event
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first event, when the request asks
 
 
 class StopChecker:
@@ -194,9 +196,11 @@ class Engine:
         start = int(cache.lengths[0])
         chunk = seq.tokens[start:start + PREFILL_CHUNK]
         positions = torch.arange(start, start + len(chunk))[None]
-        no_logits = torch.zeros(1, 0, dtype=torch.long)
-        out = self.model(torch.tensor([chunk]), positions, cache, positions, logits_rows=no_logits,
-                         output_layers=self.hidden_layers)
+        scored = seq.prompt_to_score(start) and len(chunk)  # logits for every column when the prompt is scored
+        out = self.model(torch.tensor([chunk]), positions, cache, positions,
+                         logits_rows=torch.arange(scored)[None], output_layers=self.hidden_layers)
+        if scored:
+            seq.score_prompt(out.logits[0], start)
         if self.needs_hidden:
             seq.proposer.observe_hidden(torch.cat([out.hidden_states[i][0] for i in self.hidden_layers], -1))
         cache.lengths[0] = start + len(chunk)
@@ -223,7 +227,9 @@ class Engine:
         here comes from the shared forward, before any row committed."""
         batch = VerifyBatch.build(cache, [seq.feed(int(cache.lengths[row])) if seq else [0]
                                           for row, seq in enumerate(seqs)],
-                                  [seq.proposal.tree if seq else None for seq in seqs])
+                                  [seq.proposal.tree if seq else None for seq in seqs],
+                                  [seq.prompt_to_score(int(cache.lengths[row])) if seq else 0
+                                   for row, seq in enumerate(seqs)])
         out = self.model(batch.tokens, batch.positions, cache, batch.slots, tree_mask=batch.tree_mask,
                          logits_rows=batch.logits_rows, output_layers=self.hidden_layers)
         events = []
@@ -238,7 +244,10 @@ class Engine:
         hidden = None
         if self.needs_hidden:  # the features of every fed row (uncached tokens, root, tree nodes)
             hidden = torch.cat([out.hidden_states[i][row, : batch.fed[row]] for i in self.hidden_layers], -1)
-        nodes, event = seq.commit(out.logits[row, : batch.verified[row]], hidden)
+        scored, verified = batch.scored[row], batch.verified[row]
+        if scored:
+            seq.score_prompt(out.logits[row, :scored], batch.starts[row])
+        nodes, event = seq.commit(out.logits[row, scored: scored + verified], hidden)
         base = batch.starts[row] + batch.root(row)  # the root's slot: the accepted nodes move right after it
         cache.compact(row, base + torch.tensor([0] + nodes), base)
         cache.lengths[row] = base + 1 + len(nodes)
@@ -259,6 +268,8 @@ class Sequence:
         self.tokens = prompt_ids[:-1]  # committed; their keys/values are (or will be) in the cache
         self.pending = [prompt_ids[-1]]  # emitted but not yet fed to the target
         self.proposal = Proposal.chain(self.pending[0], [])
+        self.logprobs: list[TokenLogprobs] = []  # of the output tokens, when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None]  # the first prompt token has none
         self.start = time.perf_counter()
         self.sent_text = self.sent_tokens = 0
 
@@ -286,12 +297,29 @@ class Sequence:
         """The tokens the next forward must run: those not yet in the cache, then the draft."""
         return self.tokens[cached:] + self.pending + self.proposal.tokens
 
+    def prompt_to_score(self, cached: int) -> int:
+        """Prompt tokens before the root, from slot `cached` on, whose logits the next forward must return: all
+        of them when the request scores its prompt and is not prefilled yet, else none."""
+        return max(len(self.tokens) - cached, 0) if self.params.prompt_logprobs is not None and not self.prefilled \
+            else 0
+
+    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
+        """logits [n, V] at prompt slots start..start+n-1: each scores the prompt token after it."""
+        following = self.context[start + 1: start + 1 + logits.shape[0]]
+        self.prompt_logprobs += token_logprobs(logits, following, self.params, self.params.prompt_logprobs)
+
     def commit(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[list[int], StreamEvent | None]:
         """Verify the draft against the target's logits [k+1, V] (one row per draft node, root first); returns
         (accepted draft nodes, event or None). `hidden` [fed, F]: the target's features at every fed row (the
         uncached tokens, the root, then one row per draft node)."""
+        if self.params.max_tokens == 0:  # the prompt scored, nothing to generate
+            self.metrics.record_step(0, 0)
+            self.stops.finish_reason = "length"
+            return [], self._event()
         proposal = self.proposal
         nodes, emitted = verify(proposal.tree, logits, self.params, self.generator, proposal.probs, proposal.typical)
+        if self.params.logprobs is not None:  # row 0 (the root) scores the first emitted token, node n the next
+            self.logprobs += token_logprobs(logits[[0] + nodes], emitted, self.params, self.params.logprobs)
         if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
             root = hidden.shape[0] - logits.shape[0]
             self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
@@ -299,6 +327,7 @@ class Sequence:
         self.tokens += self.pending + emitted[:-1]
         self.pending = emitted[-1:]
         self.stops.add(emitted)
+        del self.logprobs[len(self.stops.output):]  # tokens after a stop are not output
         if self.metrics.time_to_first_token_s == 0.0:
             self.metrics.time_to_first_token_s = time.perf_counter() - self.start
         return nodes, self._event()
@@ -308,10 +337,17 @@ class Sequence:
         end = stops.stable_text_length()
         if not (end > self.sent_text or len(stops.output) > self.sent_tokens or stops.finish_reason):
             return None
-        event = StreamEvent(stops.text[self.sent_text:end], stops.output[self.sent_tokens:])
+        first = self.sent_tokens == 0 and self.sent_text == 0
+        event = StreamEvent(stops.text[self.sent_text:end], stops.output[self.sent_tokens:],
+                            logprobs=self.logprobs[self.sent_tokens:] if self.params.logprobs is not None else None,
+                            prompt_logprobs=self.prompt_logprobs if first and self.params.prompt_logprobs is not None
+                            else None)
         self.sent_text, self.sent_tokens = end, len(stops.output)
         if stops.finish_reason is not None:
             self.metrics.output_tokens = len(stops.output)
             self.metrics.total_time_s = time.perf_counter() - self.start
-            event.result = GenerationResult(stops.text, stops.output, stops.finish_reason, self.metrics)
+            event.result = GenerationResult(
+                stops.text, stops.output, stops.finish_reason, self.metrics,
+                logprobs=self.logprobs if self.params.logprobs is not None else None,
+                prompt_logprobs=self.prompt_logprobs if self.params.prompt_logprobs is not None else None)
         return event

@@ -58,3 +58,5 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
     metrics: RequestMetrics
+    logprobs: list | None = None  # [TokenLogprobs] per output token, when asked for
+    prompt_logprobs: list | None = None  # [None, TokenLogprobs...] per prompt token, when asked for

@@ -24,14 +24,19 @@ class VerifyBatch:
     logits_rows: torch.Tensor  # [B, R] long: per row, the columns whose logits are verified (R: the most drafted + 1)
     fed: list[int]  # [B]: tokens fed per row (T minus the padding)
     verified: list[int]  # [B]: logits rows to verify per row (its draft + the root)
+    scored: list[int]  # [B]: logits rows before those, at prompt tokens a request scores (they come first)
     starts: list[int]  # [B]: the row's cache length before the forward (slot of its first fed token)
 
     @classmethod
-    def build(cls, cache: KVCache, feeds: list[list[int]], trees: list) -> VerifyBatch:
-        """`feeds[b]`: row b's tokens (uncached, root, draft); `trees[b]`: its DraftTree (None: an idle row)."""
+    def build(cls, cache: KVCache, feeds: list[list[int]], trees: list, scored: list[int] | None = None
+              ) -> VerifyBatch:
+        """`feeds[b]`: row b's tokens (uncached, root, draft); `trees[b]`: its DraftTree (None: an idle row);
+        `scored[b]`: uncached tokens right before the root that also need logits (default none)."""
         starts = [int(cache.lengths[row]) for row in range(len(feeds))]
         verified = [len(tree) if tree is not None else 1 for tree in trees]
-        width, rows_out = max(map(len, feeds)), max(verified)
+        scored = scored or [0] * len(feeds)
+        wanted = [s + v for s, v in zip(scored, verified)]
+        width, rows_out = max(map(len, feeds)), max(wanted)
         tokens = torch.tensor([feed + [0] * (width - len(feed)) for feed in feeds])
         slots = torch.tensor(starts)[:, None] + torch.arange(width)[None]
         positions, tree_mask = slots.clone(), None
@@ -44,8 +49,9 @@ class VerifyBatch:
                 tree_mask = torch.ones(width, width, dtype=torch.bool).tril().repeat(len(feeds), 1, 1)
             tree_mask[row, root: root + len(tree), root: root + len(tree)] = tree.mask
         logits_rows = torch.tensor([[max(len(f) - n + i, 0) for i in range(rows_out)]
-                                    for f, n in zip(feeds, verified)]).clamp(max=width - 1)
-        return cls(tokens, positions, slots, tree_mask, logits_rows, [len(f) for f in feeds], verified, starts)
+                                    for f, n in zip(feeds, wanted)]).clamp(max=width - 1)
+        return cls(tokens, positions, slots, tree_mask, logits_rows, [len(f) for f in feeds], verified, scored,
+                   starts)
 
     def root(self, row: int) -> int:
         """The root's column in `row`."""

@@ -27,7 +27,8 @@ from specserve.speculative.sampling import SamplingParams
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, min_tokens: int = 0) -> SamplingParams:
+                    ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """A request's sampling fields -> SamplingParams. The engine checks the values when the request is submitted.
     min_tokens >= max_tokens asks for exactly max_tokens tokens (genai-perf's fixed output length): EOS is
     ignored; a smaller positive min_tokens is refused."""
@@ -37,7 +38,8 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
         raise InputError("min_tokens below max_tokens is not supported by specserve (min_tokens = max_tokens is)",
                          param="min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                          stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 log = logging.getLogger("specserve.server")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 SEEDS = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs cap)
 
 
 @dataclass
@@ -24,6 +25,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # per output token: its log-probability and this many top ones (None: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (None: none)
 
     @property
     def greedy(self) -> bool:
@@ -31,8 +34,14 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field: every number finite and in range, every list of its type."""
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens must be positive unless the request scores its prompt (prompt_logprobs)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -83,3 +92,28 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token id per row of probs [N, V]."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class TokenLogprobs:
+    """A token's log-probability under the distribution it was drawn from, and the `top` most likely tokens'."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list[TokenLogprobs]:
+    """Row i of logits [N, V] scores tokens[i]. The distribution is the one sampling draws from (temperature,
+    top-k, top-p; a token they exclude gets -inf); greedy requests get the model's own (log-softmax of the raw
+    logits), as vLLM and OpenAI report them. Each row is computed alone, so a token's numbers are the same
+    whether its logits came from a forward of one token or from a verified draft."""
+    out = []
+    for row, token in zip(logits, tokens):
+        row = row[None].float()
+        logs = torch.log_softmax(row, -1) if params.greedy else torch.log(probabilities(row, params))
+        logs = logs[0]
+        best = torch.topk(logs, top) if top else None
+        pairs = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
+        out.append(TokenLogprobs(token, float(logs[token]), pairs))
+    return out

@@ -100,7 +100,9 @@ def test_bad_infer_requests(server):
 
 
 BAD_OPENAI = [
-    ("n above one", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n above the cap", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("logprobs above the cap", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("max_tokens 0 without scoring", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("negative temperature", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("top_p above one", {"prompt": "hi", "top_p": 2}, 400, "top_p"),

@@ -16,7 +16,7 @@ from specserve.server.http import json_response, sse
 from specserve.server.repository import RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
-from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 DEFAULT_CHAT_MAX_TOKENS_CAP = 2048  # chat default: the rest of the context, at most this
@@ -24,6 +24,7 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllo
                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 QUEUE_FULL_MESSAGE = "The server is busy: the request queue is full; retry later"
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+MAX_N = 16  # choices per request (`n`): each is a request of its own to the engine
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -112,6 +113,9 @@ class CommonFields:
     stream: bool
     include_usage: bool  # a last chunk with the usage
     continuous_usage: bool  # the usage so far in every chunk
+    n: int  # independent choices
+    logprobs: int | None  # top log-probabilities per output token (None: no log-probabilities)
+    prompt_logprobs: int | None  # the same for the prompt (completions that echo it)
 
 
 def parse_common(body: dict, chat: bool) -> CommonFields:
@@ -119,25 +123,55 @@ def parse_common(body: dict, chat: bool) -> CommonFields:
     max_tokens = _get(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int)
-    if max_tokens is not None and max_tokens < 1:
-        raise InputError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None and max_tokens < (1 if chat else 0):  # 0: a completion that scores its prompt
+        raise InputError(f"max_tokens must be at least {1 if chat else 0}, got {max_tokens}", param="max_tokens")
     stream = _get(body, "stream", bool, False)
     options = _stream_options(body, stream)
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
+    echo_scored = not chat and logprobs is not None and _get(body, "echo", bool, False)
     return CommonFields(
         max_tokens=max_tokens, temperature=_get(body, "temperature", float, 1.0),
         top_p=_get(body, "top_p", float, 1.0), top_k=max(_get(body, "top_k", int, 0), 0),
         seed=_get(body, "seed", int), stop=_stop_list(body), stop_token_ids=_stop_token_ids(body),
         ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
         stream=stream, include_usage=bool(options.get("include_usage", False)),
-        continuous_usage=bool(options.get("continuous_usage_stats", False)))
+        continuous_usage=bool(options.get("continuous_usage_stats", False)), n=_choices(body),
+        logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None)
+
+
+def _choices(body: dict) -> int:
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise InputError(f"n must be in [1, {MAX_N}], got {n}", param="n")
+    if _get(body, "best_of", int, n) != n:
+        raise InputError("best_of must equal n: specserve returns every sample it draws", param="best_of")
+    return n
+
+
+def _top_count(body: dict, key: str) -> int:
+    count = _get(body, key, int, 0)
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise InputError(f"{key} must be in [0, {MAX_LOGPROBS}], got {count}", param=key)
+    return count
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many top log-probabilities per token (0: the chosen token's alone)."""
+    return None if body.get("logprobs") is None else _top_count(body, "logprobs")
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs` (bool) and `top_logprobs` (how many, which needs logprobs)."""
+    top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
+    if not _get(body, "logprobs", bool, False):
+        if top:
+            raise InputError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def _check_neutral(body: dict) -> None:
     """Fields specserve takes only at their neutral value."""
-    if _get(body, "n", int, 1) != 1:
-        raise InputError("n must be 1: specserve returns one choice per request", param="n")
-    if _get(body, "best_of", int, 1) != 1:
-        raise InputError("best_of must be 1", param="best_of")
     for key in ("presence_penalty", "frequency_penalty"):
         if _get(body, key, float, 0.0) != 0.0:
             raise InputError(f"'{key}' is not supported by specserve (only 0)", param=key)
@@ -175,7 +209,8 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
     return sampling_params(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
                            top_k=fields.top_k, seed=fields.seed, stop=fields.stop,
                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
-                           min_tokens=fields.min_tokens)
+                           min_tokens=fields.min_tokens, logprobs=fields.logprobs,
+                           prompt_logprobs=fields.prompt_logprobs)
 
 
 def read_prompt(body: dict, engine, chat: bool, max_messages: int) -> tuple[str | list[int], list[int], str]:
@@ -254,7 +289,7 @@ def chat_prompt(body: dict, engine, max_messages: int) -> list[int]:
 
 
 def check_unsupported(body: dict, chat: bool) -> None:
-    """Refuse tools, structured output, logprobs and suffix."""
+    """Refuse tools, structured output and suffix."""
     if body.get("tools"):
         raise InputError("tool calling is not supported by specserve", param="tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
@@ -263,14 +298,8 @@ def check_unsupported(body: dict, chat: bool) -> None:
     if response_format not in (None, {}) and (not isinstance(response_format, dict)
                                               or response_format.get("type") != "text"):
         raise InputError("only response_format {'type': 'text'} is supported", param="response_format")
-    if chat:
-        if body.get("logprobs") or body.get("top_logprobs"):
-            raise InputError("logprobs are not supported by specserve", param="logprobs")
-    else:
-        if body.get("logprobs") not in (None, 0):
-            raise InputError("logprobs are not supported by specserve", param="logprobs")
-        if body.get("suffix"):
-            raise InputError("'suffix' is not supported", param="suffix")
+    if not chat and body.get("suffix"):
+        raise InputError("'suffix' is not supported", param="suffix")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -301,14 +330,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(meta: dict, chat: bool, text: str, finish_reason: str, usage_: dict) -> dict:
-    """The whole response of a request that does not stream (`text` includes the echoed prompt)."""
+def choice(chat: bool, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    """One choice of a response that does not stream (`text` includes the echoed prompt)."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage_}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": usage_}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_body(meta: dict, chat: bool, choices: list[dict], usage_: dict) -> dict:
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices, "usage": usage_}
 
 
 def chunk_object(chat: bool) -> str:
@@ -316,11 +347,12 @@ def chunk_object(chat: bool) -> str:
 
 
 def chunk(meta: dict, chat: bool, text: str | None, finish_reason: str | None, role: bool = False,
-          extra: dict | None = None) -> bytes:
-    """One SSE chunk: a text delta (chat: the assistant role first, then content), or the finish reason."""
+          extra: dict | None = None, index: int = 0, logprobs: dict | None = None) -> bytes:
+    """One SSE chunk of choice `index`: a text delta (chat: the assistant role first, then content), or the
+    finish reason."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice_ = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    return sse({**meta, "object": chunk_object(chat), "choices": [choice], **(extra or {})})
+        choice_ = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    return sse({**meta, "object": chunk_object(chat), "choices": [choice_], **(extra or {})})

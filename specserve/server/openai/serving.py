@@ -3,20 +3,25 @@ streaming ending in `data: [DONE]`, `stream_options.include_usage`), and /health
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from specserve.engine.engine import StreamEvent
 from specserve.server.http import EventStream, json_response, read_json, sse, with_disconnect
-from specserve.server.openai.protocol import (CommonFields, build_params, check_unsupported, chunk, chunk_object,
-                                              completion_body, error_json, error_response, exception_body,
-                                              find_model, parse_common, read_prompt, usage)
+from specserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
+from specserve.server.openai.protocol import (CommonFields, build_params, check_unsupported, choice, chunk,
+                                              chunk_object, completion_body, error_json, error_response,
+                                              exception_body, find_model, parse_common, read_prompt, usage)
 from specserve.server.repository import RepositoryError
 from specserve.server.request import ServerContext, first_event
 from specserve.server.runner import RequestHandle, off_loop
+from specserve.speculative.sampling import SEEDS, SamplingParams
 
 
 async def completions(request: Request) -> Response:
@@ -29,7 +34,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def _complete(request: Request, chat: bool) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    model = None
+    model, handles = None, []
     try:
         body = await read_json(request, empty_ok=False)
         model, name = find_model(ctx, body)
@@ -37,55 +42,130 @@ async def _complete(request: Request, chat: bool) -> Response:
         fields = parse_common(body, chat)
         prompt, ids, echo = await off_loop(read_prompt, body, model.engine, chat, ctx.limits.max_messages)
         params = build_params(fields, len(ids), model.engine.max_model_len, chat)
-        handle = await ctx.submit(model, prompt, params)
+        for index in range(fields.n):
+            handles.append(await ctx.submit(model, prompt, choice_params(params, index)))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": name}
+        reply = Reply(meta, fields, chat, echo, TokenText(model.engine.tokenizer), handles[0].prompt_ids)
         if fields.stream:
-            first = await first_event(request, handle)
-            return EventStream(_chunks(handle, first, meta, fields, chat, echo))
-        out = await with_disconnect(request, handle.collect())
+            firsts = [await first_event(request, handle) for handle in handles]
+            return EventStream(reply.chunks(handles, firsts))
+        outs = await with_disconnect(request, asyncio.gather(*(handle.collect() for handle in handles)))
     except Exception as exc:  # noqa: BLE001 - the server stays up
+        for handle in handles:
+            await handle.aclose()
         ctx.refused(model, exc)
         return error_response(exc)
-    body = completion_body(meta, chat, echo + out.text, out.result.finish_reason,
-                           usage(len(handle.prompt_ids), len(out.token_ids)))
-    return json_response(body)
+    choices = [choice(chat, index, echo + out.text, out.result.finish_reason, reply.logprobs(out.result))
+               for index, out in enumerate(outs)]
+    return json_response(completion_body(meta, chat, choices, reply.usage(sum(len(o.token_ids) for o in outs))))
 
 
-async def _chunks(handle: RequestHandle, first: StreamEvent, meta: dict, fields: CommonFields, chat: bool,
-                  echo: str):
-    """The SSE chunks: the role (chat) or the echoed prompt, text deltas, the finish reason, the usage if asked
-    for, then [DONE]. An error after the first chunk goes in-band, before [DONE]."""
-    prompt_tokens, tokens = len(handle.prompt_ids), 0
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of a request with `n` choices: its own sample (seeded requests: seed + index)."""
+    if index == 0 or params.seed is None:
+        return params
+    seed = params.seed + index
+    return dataclasses.replace(params, seed=seed if seed in SEEDS else params.seed - index)
 
-    def usage_field() -> dict:
-        if not fields.include_usage:
-            return {}
-        return {"usage": usage(prompt_tokens, tokens) if fields.continuous_usage else None}
 
+@dataclass
+class Reply:
+    """What a response is built from: the request's fields and how to write its tokens' log-probabilities."""
+
+    meta: dict
+    fields: CommonFields
+    chat: bool
+    echo: str
+    text_of: TokenText
+    prompt_ids: list[int]
+
+    def usage(self, completion_tokens: int) -> dict:
+        return usage(len(self.prompt_ids), completion_tokens)
+
+    def logprobs(self, result) -> dict | None:
+        """A whole choice's log-probabilities (completions that echo and score: the prompt's first)."""
+        if self.fields.logprobs is None:
+            return None
+        return self.token_logprobs(result.token_ids, result.logprobs, prompt=result.prompt_logprobs)
+
+    def token_logprobs(self, token_ids: list[int], entries, offset: int | None = None, prompt=None) -> dict:
+        if self.chat:
+            return chat_logprobs(self.text_of, entries)
+        offset = len(self.echo) if offset is None else offset
+        parts = [completion_logprobs(self.text_of, self.prompt_ids, prompt)] if prompt is not None else []
+        return join_completion_logprobs(parts + [completion_logprobs(self.text_of, token_ids, entries, offset)])
+
+    async def chunks(self, handles: list[RequestHandle], firsts: list[StreamEvent]):
+        """The SSE chunks: per choice the role (chat) or the echoed prompt, then every choice's text deltas and
+        finish reason as they come, the usage if asked for, then [DONE]. An error after the first chunk goes
+        in-band, before [DONE]."""
+        fields, chat, tokens = self.fields, self.chat, 0
+        offsets = [len(self.echo)] * len(handles)  # completions' text_offset of each choice's next token
+
+        def usage_field() -> dict:
+            if not fields.include_usage:
+                return {}
+            return {"usage": self.usage(tokens) if fields.continuous_usage else None}
+
+        events: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(index, handle, first, events))
+                 for index, (handle, first) in enumerate(zip(handles, firsts))]
+        try:
+            for index in range(len(handles)):
+                if chat:
+                    yield chunk(self.meta, chat, None, None, role=True, extra=usage_field(), index=index)
+                elif self.echo:
+                    scored = firsts[index].prompt_logprobs
+                    yield chunk(self.meta, chat, self.echo, None, extra=usage_field(), index=index,
+                                logprobs=None if scored is None else
+                                completion_logprobs(self.text_of, self.prompt_ids, scored))
+            ended = 0
+            while ended < len(handles):
+                index, event = await events.get()
+                if event is None:
+                    ended += 1
+                    continue
+                if isinstance(event, BaseException):
+                    raise event
+                tokens += len(event.token_ids)
+                logprobs = None
+                if event.logprobs is not None and event.token_ids:
+                    logprobs = self.token_logprobs(event.token_ids, event.logprobs, offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs.get("tokens", []))
+                if event.text or logprobs:
+                    yield chunk(self.meta, chat, event.text, None, extra=usage_field(), index=index,
+                                logprobs=logprobs)
+                if event.result is not None:
+                    yield chunk(self.meta, chat, None if chat else "", event.result.finish_reason,
+                                extra=usage_field(), index=index)
+            if fields.include_usage:
+                yield sse({**self.meta, "object": chunk_object(chat), "choices": [], "usage": self.usage(tokens)})
+        except Exception as exc:  # noqa: BLE001 - in-band error, then [DONE]
+            yield sse(exception_body(exc))
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            for handle in handles:
+                await handle.aclose()
+        yield b"data: [DONE]\n\n"
+
+
+async def _pump(index: int, handle: RequestHandle, first: StreamEvent, events: asyncio.Queue) -> None:
+    """Put a choice's events on the shared queue as (index, event), then (index, None) when it ends (after an
+    exception, as its event)."""
     try:
-        if chat:
-            yield chunk(meta, chat, None, None, role=True, extra=usage_field())
-        elif echo:
-            yield chunk(meta, chat, echo, None, extra=usage_field())
         event = first
         while True:
-            tokens += len(event.token_ids)
-            if event.text:
-                yield chunk(meta, chat, event.text, None, extra=usage_field())
+            events.put_nowait((index, event))
             if event.result is not None:
-                yield chunk(meta, chat, None if chat else "", event.result.finish_reason, extra=usage_field())
                 break
             event = await handle.__anext__()
-        if fields.include_usage:
-            yield sse({**meta, "object": chunk_object(chat), "choices": [], "usage": usage(prompt_tokens, tokens)})
     except StopAsyncIteration:
         pass
-    except Exception as exc:  # noqa: BLE001 - in-band error, then [DONE]
-        yield sse(exception_body(exc))
-    finally:
-        await handle.aclose()
-    yield b"data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the consumer raises it in-band
+        events.put_nowait((index, exc))
+    events.put_nowait((index, None))
 
 
 async def list_models(request: Request) -> Response:
