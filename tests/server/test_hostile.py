@@ -181,9 +181,11 @@ def infer_ok(r: httpx.Response, model: str) -> None:
 def openai_body_ok(case: Case, body: dict) -> None:
     chat = "/chat/" in case.path
     assert body["object"] == ("chat.completion" if chat else "text_completion"), "object"
-    (choice,) = body["choices"]
-    text = choice["message"]["content"] if chat else choice["text"]
-    assert isinstance(text, str) and choice["finish_reason"] in ("stop", "length"), "choice"
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(len(choices))) and choices, "choice indices"
+    for choice in choices:
+        text = choice["message"]["content"] if chat else choice["text"]
+        assert isinstance(text, str) and choice["finish_reason"] in ("stop", "length"), "choice"
     usage = body["usage"]
     assert all(isinstance(usage[k], int) and usage[k] >= 0 for k in ("prompt_tokens", "completion_tokens"))
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], "usage"
@@ -200,8 +202,14 @@ def openai_stream_ok(case: Case, text: str) -> None:
     assert all("error" not in c for c in chunks), "in-band error"
     kind = "chat.completion.chunk" if "/chat/" in case.path else "text_completion"
     assert all(c["object"] == kind for c in chunks), "object"
-    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert finals in (["stop"], ["length"]), f"finish reasons {finals}"
+    finals = {}  # one finish reason per choice
+    for c in chunks:
+        if c["choices"] and c["choices"][0]["finish_reason"]:
+            index = c["choices"][0]["index"]
+            assert index not in finals, f"choice {index} finished twice"
+            finals[index] = c["choices"][0]["finish_reason"]
+    assert sorted(finals) == list(range(len(finals))) and finals, f"finish reasons {finals}"
+    assert set(finals.values()) <= {"stop", "length"}, f"finish reasons {finals}"
 
 
 def greedy_outputs(client: httpx.Client) -> list[str]:
