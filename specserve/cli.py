@@ -12,13 +12,14 @@ import typer
 
 from specserve.config import ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml
 from specserve.engine.engine import RequestError
+from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
-USER_ERRORS = (ConfigError, ModelLoadError, RequestError)
+USER_ERRORS = (ConfigError, ModelLoadError, RequestError, ChatTemplateError)
 
 
 def fail(message: str) -> None:
@@ -218,6 +219,9 @@ def serve(
                                                help="Most messages in one chat request (400 above; default 1024)."),
     load_model_names: list[str] = typer.Option([], "--load-model", help="explicit mode: model to load "
                                                                          "(repeatable)."),
+    chat_template: Optional[Path] = typer.Option(
+        None, "--chat-template", help="Jinja chat template for /v1/chat/completions, instead of each model's own "
+                                      "(checkpoint, GGUF, or specserve's for Gemma)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve models over HTTP: Triton v2 + generate (8000), OpenAI /v1 (8000), Prometheus metrics (8002)."""
@@ -236,6 +240,7 @@ def serve(
     if limits.max_body_bytes < 1 or limits.max_messages < 1:
         fail("--max-body-bytes and --max-messages must be >= 1")
     try:
+        template = read_template_file(chat_template) if chat_template else None
         repository = build_repository(model_repository, model, max_queue_size)
         names = list(load_model_names) if model_control_mode == "explicit" else None
         unknown = [n for n in names or [] if n not in repository.models]
@@ -249,7 +254,7 @@ def serve(
             fail(f"no model to serve in {model_repository}: expected <name>/1/model.yaml or <name>/1/model.json")
         server = SpecServer(repository, host=host, http_port=http_port, metrics_port=metrics_port,
                             log_level=log_level, model_control_mode=model_control_mode, api_key=api_key or None,
-                            limits=limits)
+                            limits=limits, chat_template=template)
     except USER_ERRORS as exc:
         fail(str(exc))
     except OSError as exc:

@@ -153,12 +153,12 @@ class SpecServer:
     def __init__(self, repository: ModelRepository, host: str = "127.0.0.1", http_port: int = 8000,
                  metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning",
                  model_control_mode: str = "none", api_key: str | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, chat_template: str | None = None):
         self.metrics = metrics or ServerMetrics()
         self.repository = repository
         # not ready until warm (see `serve`)
         self.ctx = ServerContext(repository, self.metrics, ready=False, limits=limits or RequestLimits(),
-                                 model_control_mode=model_control_mode)
+                                 model_control_mode=model_control_mode, chat_template=chat_template)
         for model in repository.ready_models():
             self.metrics.register_model(model.name, model.version, model.deployment.load_seconds)
         repository.on_load = lambda m: self.metrics.register_model(m.name, m.version, m.deployment.load_seconds)

@@ -127,7 +127,9 @@ def test_serve_without_arguments_serves_the_default_model():
         chat = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": "gemma-3-270m", "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}).json()
-        assert "Paris" in chat["choices"][0]["message"]["content"]
+        answer = chat["choices"][0]
+        assert "Paris" in answer["message"]["content"] and answer["finish_reason"] == "stop"
+        assert "Question:" not in answer["message"]["content"]
         config = httpx.get(base + "/v2/models/tensorrt_llm/config", timeout=10).json()
         assert config["parameters"]["speculative_method"]["string_value"] == "ngram"
     finally:
