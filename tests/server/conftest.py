@@ -62,6 +62,7 @@ class Running:
         self.url = server.url
         self.metrics_url = server.metrics_url
         self.host_port = self.url.removeprefix("http://")
+        self.grpc_address = server.grpc_address  # host:port of the KServe gRPC server
         self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
 
     @property
@@ -79,6 +80,7 @@ class Running:
 def start_server(repository: ModelRepository, **options) -> Running:
     errors = repository.load_all()
     assert not errors, errors
+    options.setdefault("grpc_port", 0)  # gRPC on a free port beside HTTP, as `specserve serve` runs it
     return Running(SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options).start())
 
 
