@@ -58,12 +58,12 @@ def stub(server):
         yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
-def stream(client, model: str, requests: list[tuple[list, str]], **options) -> list[tuple]:
+def stream(client, model: str, requests: list[tuple[list, str]], headers: dict | None = None) -> list[tuple]:
     """Send the requests on one stream, half-close it, and return every (result, error) the callback received."""
     received: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    client.start_stream(callback=lambda result, error: received.put((result, error)), headers=headers)
     for request_inputs, request_id in requests:
-        client.async_stream_infer(model, request_inputs, request_id=request_id, **options)
+        client.async_stream_infer(model, request_inputs, request_id=request_id)
     client.stop_stream()  # waits until the server has answered every request and ended the stream
     return [received.get_nowait() for _ in range(received.qsize())]
 
