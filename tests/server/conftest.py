@@ -81,7 +81,9 @@ def start_server(repository: ModelRepository, **options) -> Running:
     errors = repository.load_all()
     assert not errors, errors
     options.setdefault("grpc_port", 0)  # gRPC on a free port beside HTTP, as `specserve serve` runs it
-    return Running(SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options).start())
+    # warming five tiny models takes ~25 s on a busy 2-core machine: start()'s default 30 s was too tight
+    server = SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options)
+    return Running(server.start(timeout=180))
 
 
 @pytest.fixture(scope="session")
