@@ -127,14 +127,15 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             model = self._model(request.model_name, request.model_version)
             req = self._read(model, request)
-            if req.cancel:
-                failure: BaseException = InputError(cancel_in_flight(self.ctx, req))
-            else:
-                if req.stream:
-                    raise InputError(STREAMING_ON_UNARY)
-                wanted = requested_outputs(requested_output_items(request), model, False)
-                outputs = await complete(self.ctx, model, req)
-                return infer_response(model, req.request_id, outputs, outputs if wanted is None else wanted)
+            if req.cancel:  # answered as an error, but no request failed: not counted
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, cancel_in_flight(self.ctx, req))
+            if req.stream:
+                raise InputError(STREAMING_ON_UNARY)
+            wanted = requested_outputs(requested_output_items(request), model, False)
+            outputs = await complete(self.ctx, model, req)
+            return infer_response(model, req.request_id, outputs, outputs if wanted is None else wanted)
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the server stays up
             self.ctx.refused(model, exc)
             failure = exc
