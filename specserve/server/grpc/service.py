@@ -52,7 +52,7 @@ def rpc(method):
     async def run(self, request, context):
         try:
             return await method(self, request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - the server stays up
             failure = exc
@@ -62,6 +62,8 @@ def rpc(method):
 
 
 class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The RPCs over one server's context (models, metrics, limits, model-control mode, requests in flight)."""
+
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
