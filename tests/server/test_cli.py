@@ -169,14 +169,17 @@ def test_serve_without_arguments_serves_the_default_model():
         assert "Paris" in chat["choices"][0]["message"]["content"]
         config = httpx.get(base + "/v2/models/tensorrt_llm/config", timeout=10).json()
         assert config["parameters"]["speculative_method"]["string_value"] == "ngram"
+        greedy = {"text_input": "The capital of France is", "max_tokens": 8, "exclude_input_in_output": True}
+        expected = httpx.post(base + "/v2/models/tensorrt_llm/generate", json=greedy, timeout=120).json()
         with grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}") as client:  # the same over gRPC
             inputs = []
-            for name, value, datatype in (("text_input", "The capital of France is", "BYTES"),
-                                          ("max_tokens", np.int32(8), "INT32"),
-                                          ("exclude_input_in_output", True, "BOOL")):
+            for name, value in greedy.items():
+                datatype = {str: "BYTES", int: "INT32", bool: "BOOL"}[type(value)]
                 inputs.append(grpcclient.InferInput(name, [1], datatype))
-                inputs[-1].set_data_from_numpy(np.array([value], dtype=object if datatype == "BYTES" else None))
-            assert b"Paris" in client.infer("tensorrt_llm", inputs).as_numpy("text_output")[0]
+                inputs[-1].set_data_from_numpy(np.array([value], dtype={"BYTES": object, "INT32": np.int32,
+                                                                         "BOOL": bool}[datatype]))
+            output = client.infer("tensorrt_llm", inputs).as_numpy("text_output")[0].decode()
+        assert output == expected["text_output"] and "France" in output
     finally:
         code = server.stop()
     assert code == 0

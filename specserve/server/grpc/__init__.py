@@ -6,8 +6,8 @@ same process and event loop, over the same models, request path, metrics and API
 - tensors.py  ModelInferRequest inputs (raw or typed contents) -> the values HTTP `infer` reads; outputs back
 - status.py   the server's errors -> gRPC status codes; the `authorization: Bearer <key>` check
 
-The messages are the ones `tritonclient` ships generated (`tritonclient.grpc.service_pb2`), so any Triton gRPC
-client (tritonclient.grpc, perf_analyzer, genai-perf's default Triton mode) talks to it unchanged.
+The messages are the ones `tritonclient` ships generated (`tritonclient.grpc.service_pb2`): the protocol of every
+Triton gRPC client (tritonclient.grpc, perf_analyzer, genai-perf's default Triton mode).
 
     server, port = await start_grpc_server(ctx, "127.0.0.1", 8001, api_key=None)   # inside the running loop
     ...
