@@ -267,3 +267,18 @@ def test_metrics_count_grpc_requests(client, server):
     assert delta("nv_inference_request_success") == 2
     assert delta("nv_inference_request_failure", reason="OTHER") == 1
     assert delta("nv_inference_count") >= 2 and delta("nv_inference_request_duration_us") > 0
+
+
+def test_clients_asking_for_an_empty_final_response_get_a_final_flag(client):
+    """perf_analyzer / genai-perf ask `triton_enable_empty_final_response`: the stream still ends with one response
+    flagged final (the last one with text, as Triton's TRT-LLM and vLLM backends flag theirs)."""
+    import queue
+
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    client.async_stream_infer("tensorrt_llm", inputs(text_input="Once", sampling_param_max_tokens=6, stream=True),
+                              request_id="e", enable_empty_final_response=True)
+    client.stop_stream()
+    responses = [received.get_nowait() for _ in range(received.qsize())]
+    assert responses and all(error is None for _, error in responses)
+    assert [final(r) for r, _ in responses] == [False] * (len(responses) - 1) + [True]
