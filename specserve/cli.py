@@ -67,7 +67,7 @@ QUANT_HELP = ("Weight storage: gguf (a GGUF's own quantized blocks; the default 
               "to --dtype), int8 or int4 (weight-only, per block of 32, any checkpoint).")
 DRAFT_HELP = registry.model_help()
 BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
-                      "(with llama-cpp-python installed: pip install 'specserve[llamacpp]'); "
+                      "(with llama-cpp-python installed: pip install 'specserve\\[llamacpp]'); "
                       f"{registry.combination_hint()}.")
 
 
