@@ -15,6 +15,7 @@ from specserve.engine.engine import RequestError
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
@@ -218,6 +219,9 @@ def serve(
                                                help="Most messages in one chat request (400 above; default 1024)."),
     load_model_names: list[str] = typer.Option([], "--load-model", help="explicit mode: model to load "
                                                                          "(repeatable)."),
+    suffix_cache_scope: Optional[str] = typer.Option(
+        None, "--suffix-cache-scope", help="suffix method: model (default: requests draft from each other's "
+                                           "responses) or request (a request's text is never drafted for another)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve models over HTTP: Triton v2 + generate (8000), OpenAI /v1 (8000), Prometheus metrics (8002)."""
@@ -235,8 +239,11 @@ def serve(
     limits = RequestLimits(**{name: value for name, value in given.items() if value is not None})
     if limits.max_body_bytes < 1 or limits.max_messages < 1:
         fail("--max-body-bytes and --max-messages must be >= 1")
+    if suffix_cache_scope not in (None, *SUFFIX_SCOPES):
+        fail(f"--suffix-cache-scope must be {' or '.join(SUFFIX_SCOPES)}, got {suffix_cache_scope!r}")
+    flags = {"suffix_cache_scope": suffix_cache_scope} if suffix_cache_scope else {}
     try:
-        repository = build_repository(model_repository, model, max_queue_size)
+        repository = build_repository(model_repository, model, max_queue_size, method_settings=flags)
         names = list(load_model_names) if model_control_mode == "explicit" else None
         unknown = [n for n in names or [] if n not in repository.models]
         if unknown:

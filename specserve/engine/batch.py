@@ -313,14 +313,19 @@ class BatchEngine:
         self.cache.fit(len(self.rows), slots)
 
     def choose_draft_len(self, seqs: list[Sequence]) -> int:
-        """The draft length (shared by the batch) with the most expected tokens per second of target time."""
-        top = self.engine.max_draft_len
+        """The draft length (shared by the batch) with the most expected tokens per second of target time. A request
+        with its own cap (`num_speculative_tokens`) drafts at most that many: it counts so in the choice, and a
+        batch whose every request caps below the method's length chooses among the caps' lengths."""
+        caps = [seq.draft_cap for seq in seqs]
+        top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:
             return top
         estimates = [self.acceptance.get(seq) or Acceptance() for seq in seqs]
 
         def throughput(k: int) -> float:
-            return sum(a.expected_tokens(k) for a in estimates) / self.costs(len(seqs) * (k + 1))
+            drafted = [min(k, cap) for cap in caps]
+            tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
+            return tokens / self.costs(sum(d + 1 for d in drafted))
 
         return max(range(top + 1), key=throughput)
 

@@ -12,9 +12,11 @@ from specserve.speculative.draft_model import DRAFT_MODEL
 from specserve.speculative.eagle_draft import EAGLE1, EAGLE2, EAGLE3
 from specserve.speculative.medusa_draft import MEDUSA
 from specserve.speculative.ngram import NGRAM
+from specserve.speculative.suffix import SUFFIX
 
 METHODS: tuple[MethodEntry, ...] = (
     NGRAM,
+    SUFFIX,
     DRAFT_MODEL,
     MEDUSA,
     EAGLE1,
@@ -99,6 +101,11 @@ def label(text: str) -> str:
 def setting_keys() -> set[str]:
     """Every speculative_config key some method reads."""
     return set().union(*(entry.options.KEYS for entry in METHODS))
+
+
+def vllm_setting_keys() -> set[str]:
+    """Every speculative_config key of vLLM's own that some method reads (beyond the common ones)."""
+    return set().union(*(entry.vllm_keys for entry in METHODS))
 
 
 def check_exclusive(entry: MethodEntry | None, settings: dict) -> None:
