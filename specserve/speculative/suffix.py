@@ -196,6 +196,8 @@ class ResponseCache:
     """A model's shared cache: the responses of recently finished requests in one trie, at most `max_requests`
     of them and `max_bytes` of trie and tokens; the oldest are evicted whole (their counts taken out again)."""
 
+    CHUNK = 64  # response tokens added between checks of the memory cap
+
     def __init__(self, max_depth: int, max_requests: int, max_bytes: int):
         self.trie = SuffixTrie(max_depth)
         self.max_requests, self.max_bytes = max_requests, max_bytes
@@ -209,15 +211,27 @@ class ResponseCache:
         return self.trie.bytes + self.tokens * TOKEN_BYTES
 
     def add(self, response: list[int]) -> None:
+        """Cache a finished request's response, evicting the oldest to stay within the caps. It goes in a chunk
+        at a time, with evictions between chunks, so memory passes the cap by one chunk at most; a response that
+        does not fit alone is taken out again and not kept."""
         if not response or self.max_requests == 0:
             return
+        response = list(response)
         with self.lock:
-            self.next_id += 1
-            self.responses[self.next_id] = list(response)
-            self.tokens += len(response)
-            self.trie.extend([self.trie.root], response)
-            while self.responses and (len(self.responses) > self.max_requests or self.bytes > self.max_bytes):
+            while len(self.responses) >= self.max_requests:
                 self._evict_oldest()
+            self.tokens += len(response)
+            tail = [self.trie.root]
+            for start in range(0, len(response), self.CHUNK):
+                tail = self.trie.extend(tail, response[start:start + self.CHUNK])
+                while self.responses and self.bytes > self.max_bytes:
+                    self._evict_oldest()
+                if self.bytes > self.max_bytes:  # alone, it does not fit
+                    self.trie.extend([self.trie.root], response[:start + self.CHUNK], delta=-1)
+                    self.tokens -= len(response)
+                    return
+            self.next_id += 1
+            self.responses[self.next_id] = response
 
     def _evict_oldest(self) -> None:
         _, response = self.responses.popitem(last=False)
