@@ -329,3 +329,18 @@ def test_bench_runs_the_prompts_through_one_method_and_reports_its_cache(loaded)
     assert run.method_state["cached_requests"] == 2  # the warm-up's response was forgotten, both timed ones kept
     summary = run.summary(None)
     assert summary["cache_bytes"] > 0 and summary["cached_tokens"] == run.output_tokens
+
+
+def test_a_shadow_tree_is_scored_by_the_path_the_target_took():
+    from specserve.engine.batch import ShadowDraft
+    from specserve.speculative.tree import DraftTree
+
+    class Seq:
+        context: list[int] = []
+
+    tree = DraftTree([0, 7, 8, 30, 9], [-1, 0, 1, 1, 2])  # 7 -> (8 -> 9, 30)
+    shadow, seq = ShadowDraft(2, tree), Seq()
+    for emitted, verdict in (([], None), ([7], None), ([7, 30], (4, 2)), ([7, 8], None), ([7, 8, 9], (4, 3)),
+                             ([7, 8, 5], (4, 2)), ([5], (4, 0))):
+        seq.context = [1, 2] + emitted
+        assert shadow.verdict(seq) == verdict, emitted
