@@ -165,6 +165,10 @@ def bench(
     except USER_ERRORS as exc:
         fail(str(exc))
     typer.echo(format_table(results))
+    for name, result in results.items():
+        if "cache_bytes" in result:  # a method that keeps what it learns across requests
+            typer.echo(f"{name} shared cache at the end: {result['cached_requests']} responses, "
+                       f"{result['cached_tokens']} tokens, {result['cache_bytes'] / 2**20:.2f} MiB")
     costs = measure_step_costs(target) if step_costs else None
     floor = None
     if costs:

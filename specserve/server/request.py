@@ -84,7 +84,9 @@ class ServerContext:
         """One short request through the model's runner, so that what its first request would wait for (the batch
         engine and its cost table, the kernels' first calls) is done before the server says it is ready."""
         try:
-            handle = await model.runner.submit(WARM_UP_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+            # kept out of the suffix method's shared cache: no client sent it
+            handle = await model.runner.submit(WARM_UP_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                              suffix_cache=False))
             await handle.collect()
         except Exception:  # noqa: BLE001 - a model that fails its warm-up fails its requests too; serve on
             log.exception("warm-up of %s failed", model.name)
