@@ -28,9 +28,9 @@ VLLM_KEYS = VLLM_HARMLESS_KEYS | set(VLLM_FLAT_SPEC_KEYS) | {
     "model", "dtype", "quantization", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
     "speculative_config",
 }
-VLLM_SPEC_KEYS = registry.vllm_setting_keys() | {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                  "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "acceptance_method",
-                  "disable_mqa_scorer", "disable_padded_drafter_batch"}
+VLLM_SPEC_KEYS = registry.vllm_setting_keys() | {
+    "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_tensor_parallel_size",
+    "disable_by_batch_size", "max_model_len", "acceptance_method", "disable_mqa_scorer", "disable_padded_drafter_batch"}
 
 
 def load_model_json(path: Path) -> DeploymentConfig:

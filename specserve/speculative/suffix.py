@@ -302,7 +302,7 @@ class SuffixMethod(SpecMethod):
         self.cache = ResponseCache(max_tree_depth, max_cached_requests, cache_bytes)
 
     def new_proposer(self, params, generator, capacity) -> Proposer:
-        shares = self.cache_scope == "model" and getattr(params, "suffix_cache", True)
+        shares = self.cache_scope == "model" and params.suffix_cache
         return SuffixProposer(self, self.cache if shares else None)
 
     def reset(self) -> None:
