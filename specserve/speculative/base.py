@@ -138,8 +138,8 @@ class MethodEntry:
     any_model: bool = False  # its model may be any checkpoint (a vLLM draft naming a head becomes that head's)
     holds_head: Callable[[str], bool] | None = None  # whether a directory holds this method's head
     trains: str | None = None  # the `specserve train` kind that makes its head
-    # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on)
-    combines: tuple[MethodEntry, str] | None = None
+    # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on), one pair per OTHER
+    combines: tuple[tuple[MethodEntry, str], ...] = ()
     variant: Callable[[dict], MethodEntry] | None = None  # a model.yaml's settings may pick a sibling method
     sized_trees: bool = False  # drafts trees sized by top_k / max_total_draft_tokens (bench --tree-costs)
     vllm_keys: frozenset[str] = frozenset()  # its speculative_config keys that vLLM's model.json has too

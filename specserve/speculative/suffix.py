@@ -151,9 +151,9 @@ class Draft:
         return DraftTree([root] + self.tokens, [-1] + self.parents)
 
 
-def grow_draft(start: Node, budget: int, min_prob: float) -> Draft:
+def grow_draft(start: Node, budget: int, min_prob: float, chain: bool = False) -> Draft:
     """The `budget` likeliest continuations below `start` (a tree, best first by path probability), none below
-    `min_prob`."""
+    `min_prob`; `chain`: only the most frequent child of each node (a chain)."""
     draft = Draft([], [])
     frontier: list[tuple[float, int, int, Node]] = []  # (-path probability, tie breaker, parent index, node)
     order = 0
@@ -162,7 +162,7 @@ def grow_draft(start: Node, budget: int, min_prob: float) -> Draft:
         nonlocal order
         kids = parent.kids()
         total = sum(kid.count for kid in kids)
-        for kid in kids:
+        for kid in [max(kids, key=lambda kid: kid.count)] if chain and kids else kids:
             order += 1
             heapq.heappush(frontier, (-parent_prob * kid.count / total, order, parent_index, kid))
 
@@ -178,7 +178,7 @@ def grow_draft(start: Node, budget: int, min_prob: float) -> Draft:
     return draft
 
 
-def best_draft(matches, max_len: int, factor: float, min_prob: float) -> Draft:
+def best_draft(matches, max_len: int, factor: float, min_prob: float, chain: bool = False) -> Draft:
     """The draft with the most expected accepted tokens over the matched suffixes (longest first): a long match
     earns a long draft but leaves the trie less depth below it, so each is tried (Arctic Inference does the same);
     a match whose budget cannot beat the best so far is skipped."""
@@ -186,7 +186,7 @@ def best_draft(matches, max_len: int, factor: float, min_prob: float) -> Draft:
     for node, length in matches:
         budget = min(max_len, spec_budget(length, factor))
         if budget > best.score:
-            draft = grow_draft(node, budget, min_prob)
+            draft = grow_draft(node, budget, min_prob, chain)
             if draft.score > best.score:
                 best = draft
     return best
@@ -243,9 +243,9 @@ class ResponseCache:
             while self.responses:
                 self._evict_oldest()
 
-    def draft(self, context: list[int], max_len: int, factor: float, min_prob: float) -> Draft:
+    def draft(self, context: list[int], max_len: int, factor: float, min_prob: float, chain: bool = False) -> Draft:
         with self.lock:
-            return best_draft(self.trie.matches(context), max_len, factor, min_prob)
+            return best_draft(self.trie.matches(context), max_len, factor, min_prob, chain)
 
     def stats(self) -> dict:
         return {"cached_requests": len(self.responses), "cached_tokens": self.tokens, "cache_bytes": self.bytes,
@@ -268,22 +268,27 @@ class SuffixProposer(Proposer):
         self.seen = 0  # tokens of the context in self.trie
 
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
+        return Proposal(self.draft(tokens, max_len).tree(tokens[-1]))
+
+    def draft(self, tokens: list[int], max_len: int, chain: bool = False) -> Draft:
+        """The best draft from the request's own trie (brought up to `tokens` first) and the shared cache; `chain`:
+        the best chain (a branch of an EAGLE tree)."""
         if len(tokens) > self.seen:
             self.tail = self.trie.extend(self.tail, tokens[self.seen:])
             self.seen = len(tokens)
         method = self.method
-        best = self._own_draft(max_len)
+        best = self._own_draft(max_len, chain)
         if self.shared is not None:
-            other = self.shared.draft(tokens, max_len, method.max_spec_factor, method.min_token_prob)
+            other = self.shared.draft(tokens, max_len, method.max_spec_factor, method.min_token_prob, chain)
             best = other if other.score > best.score else best
-        return Proposal(best.tree(tokens[-1]))
+        return best
 
-    def _own_draft(self, max_len: int) -> Draft:
+    def _own_draft(self, max_len: int, chain: bool) -> Draft:
         """From the request's own trie: its tail holds the nodes of the context's suffixes, so the matches need no
         walk."""
         matches = ((node, length) for length, node in reversed(list(enumerate(self.tail)))
                    if length and (node.child is not None or node.children))
-        return best_draft(matches, max_len, self.method.max_spec_factor, self.method.min_token_prob)
+        return best_draft(matches, max_len, self.method.max_spec_factor, self.method.min_token_prob, chain)
 
     def request_finished(self, output: list[int]) -> None:
         if self.shared is not None:

@@ -344,3 +344,47 @@ def test_a_shadow_tree_is_scored_by_the_path_the_target_took():
                              ([7, 8, 5], (4, 2)), ([5], (4, 0))):
         seq.context = [1, 2] + emitted
         assert shadow.verdict(seq) == verdict, emitted
+
+
+# ---- suffix decoding as the lookup branch of EAGLE trees (eagle3+suffix) -----------------------------------------
+
+
+@pytest.mark.parametrize("method,knobs", [("eagle", {"eagle_choices": [[0], [1], [0, 0], [0, 0, 0]]}),
+                                          ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16})])
+def test_eagle_with_a_suffix_branch_equals_plain_and_learns_across_requests(method, knobs, loaded, tmp_path):
+    from tests.speculative.test_eagle import engine_for, save_random
+
+    target = loaded("llama")
+    head = save_random(target, method, tmp_path / "head")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    forwards = {}
+    for branch in (False, True):
+        engine = engine_for(target, method, head, 4, suffix_branch=branch, **knobs)
+        assert engine.method_name == method + ("+suffix" if branch else "")
+        forwards[branch] = []
+        for prompt in REPEATED:
+            got = engine.generate(prompt, params)
+            assert got.token_ids == Engine(target).generate(prompt, params).token_ids, (method, branch, prompt)
+            forwards[branch].append(got.metrics.target_forwards)
+    assert engine.method.stats()["cached_requests"] == len(REPEATED)
+    # a random head's drafts fail; the second time a prompt comes, the cached response is drafted and accepted
+    assert forwards[True][2] < forwards[False][2] and forwards[True][4] < forwards[False][4]
+
+
+def test_eagle_suffix_branch_config(tmp_path):
+    from specserve.speculative.registry import label, parse_method
+
+    path = tmp_path / "model.yaml"
+    path.write_text("model: m\nspeculative_config:\n  decoding_type: Eagle3\n  speculative_model: h\n"
+                    "  suffix_branch: true\n  suffix_decoding_max_spec_factor: 2.0\n")
+    options = load_model_yaml(path).speculative.options
+    assert options.label == "eagle3+suffix" and options.suffix == {"suffix_decoding_max_spec_factor": 2.0}
+    assert label("Eagle3+suffix_decoding") == "eagle3+suffix"
+    assert parse_method("eagle3+suffix")[1] == {"prompt_lookup_branch": False, "suffix_branch": True}
+    path.write_text("model: m\nspeculative_config:\n  decoding_type: Eagle3\n  speculative_model: h\n"
+                    "  suffix_branch: true\n  prompt_lookup_branch: true\n")
+    with pytest.raises(ConfigError, match="one lookup branch"):
+        load_model_yaml(path)
+    path.write_text("model: m\nspeculative_config:\n  decoding_type: NGram\n  suffix_branch: true\n")
+    with pytest.raises(ConfigError, match="suffix_branch is for EAGLE"):
+        load_model_yaml(path)
