@@ -261,11 +261,12 @@ class Recording(SuffixMethod):
         return proposer
 
 
-def sample_with_suffix(target, samples: int = 2500):
+def sample_with_suffix(target, samples: int = 2500, engine: Engine | None = None):
     """The first three tokens of `samples` seeded requests through one suffix engine (each request drafted from
-    the responses before it, trees with siblings), and their exact target probabilities."""
+    the responses before it, trees with siblings), their exact target probabilities and how many drafted trees
+    branched."""
     method = Recording(max_spec_factor=4.0, min_token_prob=0.0, max_tree_depth=8)
-    engine = Engine(target, method, 3)
+    engine = engine or Engine(target, method, 3)
     prompt_ids = engine.encode("Once upon a time")
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=5, ignore_eos=True)
     counts = Counter()
@@ -388,3 +389,16 @@ def test_eagle_suffix_branch_config(tmp_path):
     path.write_text("model: m\nspeculative_config:\n  decoding_type: NGram\n  suffix_branch: true\n")
     with pytest.raises(ConfigError, match="suffix_branch is for EAGLE"):
         load_model_yaml(path)
+
+
+def test_eagle_suffix_branch_sampling_keeps_the_target_distribution(loaded, tmp_path):
+    """A random EAGLE-3 head with the suffix branch: the cached responses' chains are accepted or rejected, the
+    head's top-k siblings mostly rejected; the output follows the target's distribution."""
+    from tests.speculative.test_eagle import engine_for, save_random
+
+    target = loaded("llama")
+    engine = engine_for(target, "eagle3", save_random(target, "eagle3", tmp_path / "head"), 3, top_k=2,
+                        max_total_draft_tokens=4, suffix_branch=True, suffix_decoding_max_spec_factor=4.0)
+    counts, expected, _ = sample_with_suffix(target, engine=engine)
+    assert engine.method.stats()["cached_requests"] == 2500
+    assert follows(counts, expected)
