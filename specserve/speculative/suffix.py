@@ -79,7 +79,7 @@ class SuffixTrie:
         depth_limit = self.max_depth
         for token in tokens:
             grown = [self.root]
-            for node in tail[-depth_limit:] if len(tail) > depth_limit else tail:
+            for node in tail:  # at most depth_limit nodes: `grown` stops there
                 child = node.get(token)
                 if child is None:
                     if delta < 0:
