@@ -16,6 +16,7 @@ from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
@@ -165,6 +166,10 @@ def bench(
     except USER_ERRORS as exc:
         fail(str(exc))
     typer.echo(format_table(results))
+    for name, result in results.items():
+        if "cache_bytes" in result:  # a method that keeps what it learns across requests
+            typer.echo(f"{name} shared cache at the end: {result['cached_requests']} responses, "
+                       f"{result['cached_tokens']} tokens, {result['cache_bytes'] / 2**20:.2f} MiB")
     costs = measure_step_costs(target) if step_costs else None
     floor = None
     if costs:
@@ -229,6 +234,9 @@ def serve(
     chat_template: Optional[Path] = typer.Option(
         None, "--chat-template", help="Jinja chat template for /v1/chat/completions, instead of each model's own "
                                       "(checkpoint or GGUF; the embedded default has a question-and-answer format)."),
+    suffix_cache_scope: Optional[str] = typer.Option(
+        None, "--suffix-cache-scope", help="suffix method: model (default: requests draft from each other's "
+                                           "responses) or request (a request's text is never drafted for another)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve models: Triton v2 + generate and OpenAI /v1 over HTTP (8000), KServe v2 gRPC (8001), Prometheus
@@ -250,9 +258,12 @@ def serve(
     limits = RequestLimits(**{name: value for name, value in given.items() if value is not None})
     if limits.max_body_bytes < 1 or limits.max_messages < 1:
         fail("--max-body-bytes and --max-messages must be >= 1")
+    if suffix_cache_scope not in (None, *SUFFIX_SCOPES):
+        fail(f"--suffix-cache-scope must be {' or '.join(SUFFIX_SCOPES)}, got {suffix_cache_scope!r}")
+    flags = {"suffix_cache_scope": suffix_cache_scope} if suffix_cache_scope else {}
     try:
         template = read_template_file(chat_template) if chat_template else None
-        repository = build_repository(model_repository, model, max_queue_size)
+        repository = build_repository(model_repository, model, max_queue_size, method_settings=flags)
         names = list(load_model_names) if model_control_mode == "explicit" else None
         unknown = [n for n in names or [] if n not in repository.models]
         if unknown:

@@ -142,6 +142,18 @@ def read_speculative_config(spec: dict, base: Path) -> SpeculativeConfig:
     return config
 
 
+def with_method_settings(config: DeploymentConfig, settings: dict) -> DeploymentConfig:
+    """The config with those of `settings` its method reads (operator flags such as --suffix-cache-scope, which
+    mean nothing to other methods) put over its own."""
+    entry = config.speculative.entry
+    own = {key: value for key, value in settings.items() if entry is not None and key in entry.options.KEYS}
+    if not own:
+        return config
+    spec = replace(config.speculative, settings={**config.speculative.settings, **own})
+    spec.check()
+    return replace(config, speculative=spec)
+
+
 def build_method(config: SpeculativeConfig, target: LoadedModel):
     """The SpecMethod for a config (None for plain decoding)."""
     return None if config.entry is None else config.entry.create(config, target)

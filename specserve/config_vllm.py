@@ -28,9 +28,9 @@ VLLM_KEYS = VLLM_HARMLESS_KEYS | set(VLLM_FLAT_SPEC_KEYS) | {
     "model", "dtype", "quantization", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
     "speculative_config",
 }
-VLLM_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                  "draft_tensor_parallel_size", "disable_by_batch_size", "max_model_len", "acceptance_method",
-                  "disable_mqa_scorer", "disable_padded_drafter_batch"}
+VLLM_SPEC_KEYS = registry.vllm_setting_keys() | {
+    "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "draft_tensor_parallel_size",
+    "disable_by_batch_size", "max_model_len", "acceptance_method", "disable_mqa_scorer", "disable_padded_drafter_batch"}
 
 
 def load_model_json(path: Path) -> DeploymentConfig:
@@ -76,11 +76,16 @@ def read_speculative(data: dict, path: Path) -> SpeculativeConfig:
     entry = vllm_method(method, draft, "speculative_config" if spec is not None else str(path))
     if entry is None:
         return SpeculativeConfig()
+    settings = {k: int_at_least(v, k, 1) for k, v in lookup.items() if v is not None}
+    own = {k: v for k, v in (spec or {}).items() if k in entry.vllm_keys}
+    registry.check_exclusive(entry, {k: v for k, v in (spec or {}).items() if k in registry.vllm_setting_keys()})
     tokens = data.get(tokens_key) if spec is None else spec.get("num_speculative_tokens")
+    if tokens is None and entry.vllm_default_draft_len is not None:
+        tokens = entry.vllm_default_draft_len(own)
     if tokens is None:
         raise ConfigError(f"{path}: {tokens_key} is required with speculative decoding")
-    config = SpeculativeConfig(entry.name, int_at_least(tokens, tokens_key, 1),
-                               settings={k: int_at_least(v, k, 1) for k, v in lookup.items() if v is not None})
+    config = SpeculativeConfig(entry.name, int_at_least(tokens, tokens_key, 1), settings={**settings, **own})
+    config.check()
     if entry.model_needed:
         if not draft:
             raise ConfigError(f"{path}: the {entry.name} method needs the draft model's or head's path ('model')")

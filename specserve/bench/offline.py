@@ -54,6 +54,7 @@ class MethodRun:
     accepted: int = 0
     ttft: list[float] = field(default_factory=list)
     warmup_s: float = 0.0
+    method_state: dict = field(default_factory=dict)  # what the method held across requests at the end (its cache)
 
     def summary(self, ar: "MethodRun | None") -> dict:
         tps = self.output_tokens / self.seconds if self.seconds else 0.0
@@ -69,7 +70,7 @@ class MethodRun:
             "total_time_s": round(self.seconds, 3),
             "mean_ttft_s": round(sum(self.ttft) / len(self.ttft), 4) if self.ttft else None,
             "warmup_s": round(self.warmup_s, 3),
-        }
+        } | self.method_state
 
 
 def warm_up(generate: Callable, prompt: str, max_tokens: int) -> float:
@@ -92,9 +93,14 @@ def run_timed(generate: Callable[[str, int], tuple[list[int], float]], prompts: 
 
 
 def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) -> MethodRun:
+    """The prompts in order through one engine, so a method that learns across requests (suffix) drafts each from
+    the ones before it; what it learnt from the warm-up is forgotten first (the warm-up's prompt is the first
+    timed one)."""
     params = SamplingParams(max_tokens=max_tokens)
     run = MethodRun(warmup_s=warm_up(lambda p, n: engine.generate(p, SamplingParams(max_tokens=n)), prompts[0],
                                      max_tokens))
+    if engine.method is not None:
+        engine.method.reset()
     for prompt in tqdm(prompts, desc=name, leave=False):
         result = engine.generate(prompt, params)
         m = result.metrics
@@ -105,6 +111,7 @@ def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) ->
         run.drafted += m.total_draft_tokens
         run.accepted += m.total_accepted_draft_tokens
         run.ttft.append(m.time_to_first_token_s)
+    run.method_state = engine.method.stats() if engine.method is not None else {}
     return run
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
 from specserve.engine.step_costs import StepCosts
 from specserve.models.kv_cache import KVCache
-from specserve.speculative.ngram import common_prefix_length
 from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.tree import DraftTree
 
 
 @dataclass
@@ -100,17 +100,23 @@ class Acceptance:
 class ShadowDraft:
     """A draft that was not verified, waiting for the tokens it guessed. For a deterministic draft, matching the
     emitted token is exactly as likely as verification accepting it (both happen with the target's probability of
-    the drafted token), so its score is the acceptance the draft would have had."""
+    the drafted token, siblings included), so its score is the acceptance the draft would have had."""
 
-    start: int  # the context length when it was drafted: its first token guesses context[start]
-    tokens: list[int]
+    start: int  # the context length when it was drafted: its first level guesses context[start]
+    tree: DraftTree  # a chain, or a tree of deterministic siblings (suffix decoding)
 
     def verdict(self, seq: Sequence) -> tuple[int, int] | None:
-        """(drafted, accepted) once the request has emitted enough to tell, else None."""
-        emitted = seq.context[self.start: self.start + len(self.tokens)]
-        accepted = common_prefix_length(emitted, self.tokens)
-        if accepted < len(emitted) or len(emitted) == len(self.tokens):
-            return len(self.tokens), accepted
+        """(drafted, accepted: the root path the emitted tokens follow) once the request has emitted enough to
+        tell, else None."""
+        tree, draft = self.tree, self.tree.draft
+        node = accepted = 0
+        for token in seq.context[self.start:]:
+            child = next((c for c in tree.children(node) if draft[c - 1] == token), None)
+            if child is None:  # the target left the tree here
+                return len(draft), accepted
+            node, accepted = child, accepted + 1
+            if not tree.children(node):  # a leaf: all of its path would have been accepted
+                return len(draft), accepted
         return None
 
 
@@ -274,10 +280,10 @@ class BatchEngine:
     def _shadow_draft(self, seq: Sequence) -> list[ShadowDraft]:
         room = seq.draft_room(self.engine.max_draft_len)
         try:
-            draft = seq.proposer.propose(seq.context, room).tokens if room else []
+            tree = seq.proposer.propose(seq.context, room).tree if room else None
         except Exception:  # noqa: BLE001 - the request goes on undrafted; its next real draft reports the failure
             return []
-        return [ShadowDraft(len(seq.context), draft)] if draft else []
+        return [ShadowDraft(len(seq.context), tree)] if tree is not None and tree.draft else []
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         row = self._add_row(seq)
@@ -313,14 +319,19 @@ class BatchEngine:
         self.cache.fit(len(self.rows), slots)
 
     def choose_draft_len(self, seqs: list[Sequence]) -> int:
-        """The draft length (shared by the batch) with the most expected tokens per second of target time."""
-        top = self.engine.max_draft_len
+        """The draft length (shared by the batch) with the most expected tokens per second of target time. A request
+        with its own cap (`num_speculative_tokens`) drafts at most that many: it counts so in the choice, and a
+        batch whose every request caps below the method's length chooses among the caps' lengths."""
+        caps = [seq.draft_cap for seq in seqs]
+        top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:
             return top
         estimates = [self.acceptance.get(seq) or Acceptance() for seq in seqs]
 
         def throughput(k: int) -> float:
-            return sum(a.expected_tokens(k) for a in estimates) / self.costs(len(seqs) * (k + 1))
+            drafted = [min(k, cap) for cap in caps]
+            tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
+            return tokens / self.costs(sum(d + 1 for d in drafted))
 
         return max(range(top + 1), key=throughput)
 

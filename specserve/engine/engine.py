@@ -288,10 +288,16 @@ class Sequence:
 
     def draft_room(self, max_len: int) -> int:
         """Draft tokens this request may take now: none before its prefill (which runs alone, exactly as in plain
-        decoding), and none that would pass max_tokens."""
+        decoding), none beyond the request's own cap, and none that would pass max_tokens."""
         if self.proposer is None or not self.prefilled:
             return 0
-        return max(min(max_len, self.params.max_tokens - len(self.stops.output) - 1), 0)
+        return max(min(max_len, self.draft_cap, self.params.max_tokens - len(self.stops.output) - 1), 0)
+
+    @property
+    def draft_cap(self) -> int | float:
+        """The request's own limit on draft tokens per step (`num_speculative_tokens`; none: unbounded)."""
+        cap = self.params.num_speculative_tokens
+        return float("inf") if cap is None else cap
 
     def feed(self, cached: int) -> list[int]:
         """The tokens the next forward must run: those not yet in the cache, then the draft."""
@@ -327,6 +333,8 @@ class Sequence:
         self.tokens += self.pending + emitted[:-1]
         self.pending = emitted[-1:]
         self.stops.add(emitted)
+        if self.finished and self.proposer is not None:
+            self.proposer.request_finished(self.stops.output)
         del self.logprobs[len(self.stops.output):]  # tokens after a stop are not output
         if self.metrics.time_to_first_token_s == 0.0:
             self.metrics.time_to_first_token_s = time.perf_counter() - self.start

@@ -45,14 +45,16 @@ def default_config() -> DeploymentConfig:
 
 
 def build_repository(model_repository: str | Path | None = None, model: str | None = None,
-                     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, engine_factory=None) -> ModelRepository:
+                     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, engine_factory=None,
+                     method_settings: dict | None = None) -> ModelRepository:
     """The models `specserve serve` serves: a Triton model repository, one model (a checkpoint, a .gguf, a
-    model.yaml or a vLLM model.json), or the embedded default. Raises ConfigError."""
+    model.yaml or a vLLM model.json), or the embedded default. `method_settings`: speculative_config keys from the
+    command line, for the models whose method reads them. Raises ConfigError."""
     if model_repository and model:
         raise ConfigError("give either --model-repository or --model, not both")
     if model_repository:
         return ModelRepository.from_directory(Path(model_repository), max_queue_size=max_queue_size,
-                                              engine_factory=engine_factory)
+                                              engine_factory=engine_factory, method_settings=method_settings)
     kind, name = LLMAPI, None
     if model is None:
         config = default_config()
@@ -67,7 +69,8 @@ def build_repository(model_repository: str | Path | None = None, model: str | No
         config.model.source = model
     sources = single_model_sources(config, kind=kind, name=name or default_name(config.model.source),
                                    max_queue_size=max_queue_size)
-    return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size)
+    return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size,
+                           method_settings=method_settings)
 
 
 def _triton_layout_name(path: Path) -> str | None:

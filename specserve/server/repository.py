@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml
+from specserve.config import ConfigError, DeploymentConfig, build_engine, load_model_yaml, with_method_settings
 from specserve.config_vllm import load_model_json
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError
 from specserve.server.compute import COMPUTE
@@ -206,12 +206,13 @@ class ModelRepository:
 
     def __init__(self, sources: list[ModelSource], root: Path | None = None,
                  engine_factory: Callable | None = None, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-                 on_load: Callable[[ServedModel], None] | None = None):
+                 on_load: Callable[[ServedModel], None] | None = None, method_settings: dict | None = None):
         self.root = Path(root) if root else None
         self.models: dict[str, ServedModel] = {s.name: ServedModel(s) for s in sources}
         self.engine_factory = engine_factory or _default_engine_factory
         self.max_queue_size = max_queue_size
         self.on_load = on_load
+        self.method_settings = method_settings or {}  # operator flags for the methods that read them
         self._lock = threading.RLock()
         self._targets: dict[tuple, object] = {}
         self._step_locks: dict[tuple, threading.Lock] = {}
@@ -337,7 +338,8 @@ class ModelRepository:
             target = COMPUTE.run(config.model.load)
             with self._lock:
                 self._targets[key] = target
-        engine = COMPUTE.run(self.engine_factory, config, target)  # cost tables: tensor work too
+        engine = COMPUTE.run(self.engine_factory, with_method_settings(config, self.method_settings),
+                             target)  # cost tables: tensor work too
         runner = Runner(engine, source.max_queue_size, name=source.name, step_lock=step_lock,
                         max_active=source.max_batch_size or DEFAULT_MAX_ACTIVE,
                         adaptive_draft=config.speculative.adaptive_draft_len)

@@ -28,10 +28,12 @@ from specserve.speculative.sampling import SamplingParams
 def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, num_speculative_tokens: int | None = None,
+                    suffix_cache: bool = True) -> SamplingParams:
     """A request's sampling fields -> SamplingParams. The engine checks the values when the request is submitted.
     min_tokens >= max_tokens asks for exactly max_tokens tokens (genai-perf's fixed output length): EOS is
-    ignored; a smaller positive min_tokens is refused."""
+    ignored; a smaller positive min_tokens is refused. num_speculative_tokens caps the request's draft tokens per
+    step (0: no speculation); suffix_cache false keeps the request out of the suffix method's shared cache."""
     if min_tokens and min_tokens >= max_tokens:
         ignore_eos = True
     elif min_tokens > 0:
@@ -39,7 +41,8 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
                          param="min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          num_speculative_tokens=num_speculative_tokens, suffix_cache=suffix_cache)
 
 
 log = logging.getLogger("specserve.server")
@@ -82,7 +85,9 @@ class ServerContext:
         """One short request through the model's runner, so that what its first request would wait for (the batch
         engine and its cost table, the kernels' first calls) is done before the server says it is ready."""
         try:
-            handle = await model.runner.submit(WARM_UP_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+            # kept out of the suffix method's shared cache: no client sent it
+            handle = await model.runner.submit(WARM_UP_PROMPT, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                              suffix_cache=False))
             await handle.collect()
         except Exception:  # noqa: BLE001 - a model that fails its warm-up fails its requests too; serve on
             log.exception("warm-up of %s failed", model.name)

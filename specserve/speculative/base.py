@@ -49,6 +49,9 @@ class Proposer(ABC):
         """The target's features [n, F] of the n tokens the last forward committed, in order (for methods that
         draft from them): the method's `hidden_layers` concatenated."""
 
+    def request_finished(self, output: list[int]) -> None:
+        """The request ended with these output tokens (for methods that learn from earlier responses)."""
+
 
 class Drafting(Protocol):
     """A request as `propose_batch` sees it."""
@@ -75,6 +78,13 @@ class SpecMethod(ABC):
     @abstractmethod
     def new_proposer(self, params: SamplingParams, generator: torch.Generator, capacity: int) -> Proposer:
         """A proposer for one request whose sequence will not exceed `capacity` tokens."""
+
+    def reset(self) -> None:
+        """Forget what was learnt from earlier requests (the bench's warm-up must not draft its timed requests)."""
+
+    def stats(self) -> dict:
+        """What the method holds across requests (e.g. its shared cache's size), for reports."""
+        return {}
 
     def propose_batch(self, seqs: list[Drafting], max_len: int) -> list[Proposal | Exception]:
         """A draft for each request; a method that drafts a whole batch in one call overrides this loop. A
@@ -128,10 +138,13 @@ class MethodEntry:
     any_model: bool = False  # its model may be any checkpoint (a vLLM draft naming a head becomes that head's)
     holds_head: Callable[[str], bool] | None = None  # whether a directory holds this method's head
     trains: str | None = None  # the `specserve train` kind that makes its head
-    # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on)
-    combines: tuple[MethodEntry, str] | None = None
+    # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on), one pair per OTHER
+    combines: tuple[tuple[MethodEntry, str], ...] = ()
     variant: Callable[[dict], MethodEntry] | None = None  # a model.yaml's settings may pick a sibling method
     sized_trees: bool = False  # drafts trees sized by top_k / max_total_draft_tokens (bench --tree-costs)
+    vllm_keys: frozenset[str] = frozenset()  # its speculative_config keys that vLLM's model.json has too
+    # the draft length when a vLLM config gives none, from its settings (vLLM's rule; None: it must be given)
+    vllm_default_draft_len: Callable[[dict], int] | None = None
 
     def parse(self, spec) -> MethodOptions:
         """Typed, checked options from a SpeculativeConfig (its common fields and its settings)."""

@@ -17,7 +17,9 @@ chain. A lookup node at depth d scores r^d, r being how often lookups of that n-
 so far in the request, so the budget weighs it against the head's nodes; with measured costs, a step whose chain
 alone promises the tokens/s of the last head-drafted tree skips the head. Head and lookup catch different tokens
 (the head: the target's style; lookup: text copied from the prompt or repeated), and both are deterministic
-candidates, so verification stays lossless.
+candidates, so verification stays lossless. With `suffix` instead (`eagle3+suffix`), the branch is suffix
+decoding's best chain (`suffix.py`: the request's own text and the model's cache of earlier responses), judged the
+same way.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -37,8 +39,9 @@ from specserve.models.loader import LoadedModel
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
-from specserve.speculative.lookup_branch import LookupBranch
+from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, check_lookup_bounds, read_lookup_bounds
+from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.tree_budget import TreeBudget
 
@@ -49,17 +52,20 @@ class EagleMethod(SpecMethod):
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
-                 verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None):
+                 verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
+                 suffix: SuffixMethod | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
         `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
-        prompt lookup's continuation into every tree."""
+        prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
         if lookup is not None:
             check_lookup_bounds(*lookup, ValueError)
-        self.lookup = lookup
+        if lookup is not None and suffix is not None:
+            raise ValueError("prompt lookup and suffix decoding cannot both be the branch")
+        self.lookup, self.suffix = lookup, suffix
         self.name = name
         self.max_depth = max_depth
         self.head = head
@@ -91,10 +97,23 @@ class EagleMethod(SpecMethod):
         return self.top_k * depth
 
     def draft_slots(self, max_draft_len: int) -> int:
-        return 1 + self.tree_nodes(max_draft_len) + (max_draft_len if self.lookup else 0)
+        return 1 + self.tree_nodes(max_draft_len) + (max_draft_len if self.lookup or self.suffix else 0)
 
     def new_proposer(self, params, generator, capacity) -> Proposer:
-        return EagleProposer(self, capacity)
+        return EagleProposer(self, capacity, params)
+
+    def branch(self, params, capacity: int) -> LookupBranch | None:
+        """A request's lookup branch, if the trees have one."""
+        if self.suffix is not None:
+            return SuffixBranch(self.suffix.new_proposer(params, None, capacity))
+        return LookupBranch(*self.lookup) if self.lookup else None
+
+    def reset(self) -> None:
+        if self.suffix is not None:
+            self.suffix.reset()
+
+    def stats(self) -> dict:
+        return self.suffix.stats() if self.suffix is not None else {}
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -173,7 +192,7 @@ class Nodes:
 
 
 class EagleProposer(Proposer):
-    def __init__(self, method: EagleMethod, capacity: int):
+    def __init__(self, method: EagleMethod, capacity: int, params):
         self.m = method
         head_capacity = capacity + method.expanded_nodes(method.max_depth) + 1
         self.cache = HeadCache(method.head, head_capacity)
@@ -181,7 +200,11 @@ class EagleProposer(Proposer):
         self.features: list[torch.Tensor] = []  # target features of committed tokens not yet run
         self.last_output: torch.Tensor | None = None
         self.budget = TreeBudget(method.verify_seconds, method.top_k, method.total_tokens, method.choices is not None)
-        self.lookup = LookupBranch(*method.lookup) if method.lookup else None
+        self.lookup = method.branch(params, capacity)
+
+    def request_finished(self, output: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.request_finished(output)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
@@ -320,14 +343,20 @@ class EagleOptions(MethodOptions):
     lookup_branch: bool = False  # prompt_lookup_branch: merge prompt lookup's continuation into every tree
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
-    KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | {
-        "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch",
+    suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
+    suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
+    KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
+        "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch", "suffix_branch",
         "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to change here
-    EXCLUSIVE: ClassVar[dict[str, str]] = {"prompt_lookup_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)"}
+    EXCLUSIVE: ClassVar[dict[str, str]] = {"prompt_lookup_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)",
+                                           "suffix_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)"}
 
     @classmethod
     def read(cls, settings: dict) -> dict:
-        out = {"choices": settings.get("eagle_choices"), **read_lookup_bounds(settings)}
+        out = {"choices": settings.get("eagle_choices"), **read_lookup_bounds(settings),
+               "suffix": SuffixOptions.read(settings)}
+        if "suffix_branch" in settings:
+            out["suffix_branch"] = flag(settings["suffix_branch"], "suffix_branch")
         for key in ("top_k", "max_non_leaves_per_layer", "dynamic_tree_max_topK"):
             if key in settings:
                 out["top_k"] = int_at_least(settings[key], key)
@@ -347,9 +376,13 @@ class EagleOptions(MethodOptions):
     def check(self) -> None:
         if self.lookup_branch:
             check_lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
+        if self.lookup_branch and self.suffix_branch:
+            raise ConfigError("prompt_lookup_branch and suffix_branch: an EAGLE tree takes one lookup branch")
 
     @property
     def label(self) -> str:
+        if self.suffix_branch:
+            return f"{self.name}+{SUFFIX.name}"
         return f"{self.name}+{NGRAM.name}" if self.lookup_branch else self.name
 
 
@@ -364,10 +397,11 @@ def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
         static = options.name == "eagle" or options.choices is not None
         verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
         lookup = (options.prompt_lookup_min, options.prompt_lookup_max) if options.lookup_branch else None
+        suffix = SUFFIX.build(SuffixOptions(**options.suffix), target) if options.suffix_branch else None
         return EagleMethod(head, target.model, options.label, options.max_draft_len, top_k=options.top_k,
                            total_tokens=options.total_tokens,
                            choices=(options.choices or DEFAULT_CHOICES) if static else None, aux_layer_ids=aux,
-                           verify_seconds=verify_seconds, lookup=lookup)
+                           verify_seconds=verify_seconds, lookup=lookup, suffix=suffix)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot use EAGLE head {options.model}: {exc}") from None
 
@@ -389,11 +423,12 @@ def dynamic_if_asked(settings: dict) -> MethodEntry:
 
 
 HEAD = "the directory of the EAGLE head"
+BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # eagle3+ngram, eagle3+suffix
 EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
-                     combines=(NGRAM, "prompt_lookup_branch"), variant=dynamic_if_asked, sized_trees=True)
+                     combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True)
 EAGLE2 = MethodEntry("eagle2", EagleOptions, build, vllm=("eagle",), model_needed=HEAD,  # vLLM's EAGLE: dynamic
                      holds_head=lambda directory: head_kind(directory) == "eagle", trains="eagle",
-                     combines=(NGRAM, "prompt_lookup_branch"), sized_trees=True)
+                     combines=BRANCHES, sized_trees=True)
 EAGLE3 = MethodEntry("eagle3", EagleOptions, build, trtllm="Eagle3", vllm=("eagle3",), model_needed=HEAD,
                      holds_head=lambda directory: head_kind(directory) == "eagle3", trains="eagle3",
-                     combines=(NGRAM, "prompt_lookup_branch"), sized_trees=True)
+                     combines=BRANCHES, sized_trees=True)

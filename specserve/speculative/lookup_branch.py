@@ -1,9 +1,12 @@
-"""Prompt lookup as a branch of a drafted tree (EAGLE's `prompt_lookup_branch`, `eagle3+ngram`): per request, the
-n-gram continuation of the sequence (as `ngram` drafts it) and how often such continuations turned out right."""
+"""Lookup chains as a branch of a drafted tree: prompt lookup (EAGLE's `prompt_lookup_branch`, `eagle3+ngram`: the
+n-gram continuation of the sequence, as `ngram` drafts it) or suffix decoding (`suffix_branch`, `eagle3+suffix`: the
+best chain of the request's suffix trie and the model's response cache, as `suffix` drafts it), per request, and
+how often such chains turned out right."""
 
 from __future__ import annotations
 
 from specserve.speculative.ngram import common_prefix_length, ngram_lookup
+from specserve.speculative.suffix import SuffixProposer
 
 
 class LookupBranch:
@@ -25,6 +28,27 @@ class LookupBranch:
             right = common_prefix_length(chain, committed)
             self.right[n] += right
             self.judged[n] += min(len(chain), right + 1, len(committed))
-        n, chain = ngram_lookup(tokens, max_len, self.min_n, self.max_n)
+        n, chain = self.lookup(tokens, max_len)
         self.last = (len(tokens), n, chain) if chain else None
         return chain, (self.right[n] / self.judged[n] if chain else 0.0)
+
+    def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
+        """The chain and the bucket its accuracy is counted in (prompt lookup: the n-gram's length)."""
+        return ngram_lookup(tokens, max_len, self.min_n, self.max_n)
+
+    def request_finished(self, output: list[int]) -> None:
+        """The request ended (a branch that learns across requests keeps its response)."""
+
+
+class SuffixBranch(LookupBranch):
+    """Suffix decoding's best chain as the branch, its accuracy counted in one bucket."""
+
+    def __init__(self, proposer: SuffixProposer):
+        super().__init__(1, 1)
+        self.proposer = proposer
+
+    def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
+        return 1, self.proposer.draft(tokens, max_len, chain=True).tokens
+
+    def request_finished(self, output: list[int]) -> None:
+        self.proposer.request_finished(output)

@@ -12,9 +12,11 @@ from specserve.speculative.draft_model import DRAFT_MODEL
 from specserve.speculative.eagle_draft import EAGLE1, EAGLE2, EAGLE3
 from specserve.speculative.medusa_draft import MEDUSA
 from specserve.speculative.ngram import NGRAM
+from specserve.speculative.suffix import SUFFIX
 
 METHODS: tuple[MethodEntry, ...] = (
     NGRAM,
+    SUFFIX,
     DRAFT_MODEL,
     MEDUSA,
     EAGLE1,
@@ -68,24 +70,27 @@ def method_for_model(path: str, entry: MethodEntry | None = None) -> MethodEntry
 
 def parse_method(text: str) -> tuple[MethodEntry | None, dict]:
     """A command-line method -> (entry, the settings its name implies): 'eagle3+ngram' turns on eagle3's lookup
-    branch, 'eagle3' turns it off."""
+    branch, 'eagle3+suffix' its suffix branch, 'eagle3' turns both off."""
     base, plus, extra = str(text).partition("+")
     entry = resolve(base)
-    if entry is None or entry.combines is None:
+    if entry is None or not entry.combines:
         if plus:
             raise ConfigError(f"unknown method {text!r}: {combination_hint()}")
         return entry, {}
-    other, setting = entry.combines
-    if plus and normalize(extra) not in (other.name, *other.aliases):
+    chosen = next((setting for other, setting in entry.combines
+                   if normalize(extra) in (other.name, *other.aliases)), None)
+    if plus and chosen is None:
         raise ConfigError(f"unknown method {text!r}: {combination_hint()}")
-    return entry, {setting: bool(plus)}
+    return entry, {setting: setting == chosen for _, setting in entry.combines}
 
 
 def combination_hint() -> str:
     combining = [entry for entry in METHODS if entry.combines]
-    suffix = combining[-1].combines[0].name
+    others = [other.name for other, _ in combining[-1].combines]
     names = [entry.name for entry in combining]
-    return f"'+{suffix}' follows {', '.join(names[:-1])} or {names[-1]} (e.g. {names[-1]}+{suffix})"
+    hint = f"'+{others[0]}' follows {', '.join(names[:-1])} or {names[-1]} (e.g. {names[-1]}+{others[0]})"
+    more = [f"'+{other}'" for other in others[1:]]
+    return hint + (f"; so do{'es' if len(more) == 1 else ''} {', '.join(more)}" if more else "")
 
 
 def label(text: str) -> str:
@@ -93,12 +98,18 @@ def label(text: str) -> str:
     entry, settings = parse_method(text)
     if entry is None:
         return PLAIN
-    return f"{entry.name}+{entry.combines[0].name}" if any(settings.values()) else entry.name
+    chosen = next((other.name for other, setting in entry.combines if settings.get(setting)), None)
+    return f"{entry.name}+{chosen}" if chosen else entry.name
 
 
 def setting_keys() -> set[str]:
     """Every speculative_config key some method reads."""
     return set().union(*(entry.options.KEYS for entry in METHODS))
+
+
+def vllm_setting_keys() -> set[str]:
+    """Every speculative_config key of vLLM's own that some method reads (beyond the common ones)."""
+    return set().union(*(entry.vllm_keys for entry in METHODS))
 
 
 def check_exclusive(entry: MethodEntry | None, settings: dict) -> None:
@@ -129,8 +140,9 @@ def method_names() -> list[str]:
 def method_help() -> str:
     """The command line's list of methods."""
     names = [f"{PLAIN} (plain decoding)"] + method_names()[1:]
-    setting = next(entry.combines[1] for entry in METHODS if entry.combines)
-    return f"{', '.join(names[:-1])} or {names[-1]}; {combination_hint()} turns on {setting}"
+    combines = next(entry.combines for entry in METHODS if entry.combines)
+    turns_on = ", ".join(f"+{other.name}: {setting}" for other, setting in combines)
+    return f"{', '.join(names[:-1])} or {names[-1]}; {combination_hint()} ({turns_on})"
 
 
 def model_help() -> str:

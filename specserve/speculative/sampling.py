@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per output token: its log-probability and this many top ones (None: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (None: none)
+    # speculation, per request (not sampling, but the engine reads them from here as it reads the rest):
+    num_speculative_tokens: int | None = None  # at most this many draft tokens per step (0: none; None: no cap)
+    suffix_cache: bool = True  # the suffix method's shared cache: draft from it and add the response to it
 
     @property
     def greedy(self) -> bool:
@@ -42,6 +45,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.num_speculative_tokens is not None and (not _is_int(self.num_speculative_tokens)
+                                                        or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.suffix_cache, bool):
+            raise ValueError(f"suffix_cache must be true or false, got {self.suffix_cache!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -230,7 +230,7 @@ def test_lookup_branch_config_and_names(tmp_path):
     with pytest.raises(ConfigError, match="prompt_lookup_branch is for EAGLE"):
         load_model_yaml(path)
     assert label("Eagle3+prompt_lookup") == "eagle3+ngram"
-    assert parse_method("eagle2")[1] == {"prompt_lookup_branch": False}
+    assert parse_method("eagle2")[1] == {"prompt_lookup_branch": False, "suffix_branch": False}
     for bad in ("ngram+ngram", "eagle3+medusa"):
         with pytest.raises(ConfigError, match=r"'\+ngram' follows eagle"):
             parse_method(bad)

@@ -116,6 +116,8 @@ class CommonFields:
     n: int  # independent choices
     logprobs: int | None  # top log-probabilities per output token (None: no log-probabilities)
     prompt_logprobs: int | None  # the same for the prompt (completions that echo it)
+    num_speculative_tokens: int | None  # the request's cap on draft tokens per step (0: no speculation)
+    suffix_cache: bool  # false: out of the suffix method's shared cache
 
 
 def parse_common(body: dict, chat: bool) -> CommonFields:
@@ -136,7 +138,17 @@ def parse_common(body: dict, chat: bool) -> CommonFields:
         ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
         stream=stream, include_usage=bool(options.get("include_usage", False)),
         continuous_usage=bool(options.get("continuous_usage_stats", False)), n=_choices(body),
-        logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None)
+        logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None,
+        num_speculative_tokens=_draft_cap(body), suffix_cache=_get(body, "suffix_cache", bool, True))
+
+
+def _draft_cap(body: dict) -> int | None:
+    """`num_speculative_tokens` (vLLM's name for the draft length, per request here): an integer >= 0."""
+    cap = _get(body, "num_speculative_tokens", int)
+    if cap is not None and cap < 0:
+        raise InputError(f"num_speculative_tokens must be >= 0 (0: no speculation), got {cap}",
+                         param="num_speculative_tokens")
+    return cap
 
 
 def _choices(body: dict) -> int:
@@ -211,7 +223,8 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
                            top_k=fields.top_k, seed=fields.seed, stop=fields.stop + list(format_stop),
                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
                            min_tokens=fields.min_tokens, logprobs=fields.logprobs,
-                           prompt_logprobs=fields.prompt_logprobs)
+                           prompt_logprobs=fields.prompt_logprobs,
+                           num_speculative_tokens=fields.num_speculative_tokens, suffix_cache=fields.suffix_cache)
 
 
 def read_prompt(body: dict, engine, chat: bool, max_messages: int,

@@ -117,6 +117,7 @@ ALIASES = {
     "sampling_param_return_perf_metrics": "return_perf_metrics", "return_perf_metrics": "return_perf_metrics",
     "min_tokens": "min_tokens", "min_length": "min_tokens",
     "ignore_eos": "ignore_eos", "streaming": "streaming", "stream": "stream",
+    "num_speculative_tokens": "num_speculative_tokens", "suffix_cache": "suffix_cache",
 }
 RETURN_FLAGS = {"return_finish_reason", "return_stop_reason", "return_num_input_tokens", "return_num_output_tokens"}
 UNSUPPORTED_FLAGS = {"return_cumulative_logprob", "return_log_probs", "return_logprobs", "return_context_logits",
@@ -140,7 +141,8 @@ DEFAULT_TEMPERATURE = {LLMAPI: 0.0, VLLM: 1.0, ENSEMBLE: 0.0}  # TRT-LLM samples
 SETTINGS = {"max_tokens": as_int, "temperature": as_float, "top_p": as_float, "top_k": as_int,
             "seed": lambda key, value: as_int(key, value, 0, UINT64_MAX),
             "min_tokens": lambda key, value: as_int(key, value, 0),
-            "ignore_eos": as_bool, "exclude": as_bool, "streaming": as_bool, "stream": as_bool}
+            "ignore_eos": as_bool, "exclude": as_bool, "streaming": as_bool, "stream": as_bool,
+            "num_speculative_tokens": lambda key, value: as_int(key, value, 0), "suffix_cache": as_bool}
 # inputs accepted only at a neutral value: (names, refused(key, value), message)
 REFUSED = (
     (UNSUPPORTED_FLAGS, as_bool, "'{key}' is not supported by specserve (no log-probabilities or logits)"),
@@ -293,7 +295,9 @@ def _generate_request(inputs: _Inputs, model: ServedModel, rid: str) -> Generate
             temperature=settings.get("temperature", DEFAULT_TEMPERATURE[kind]), top_p=settings.get("top_p", 1.0),
             top_k=settings.get("top_k", 0), seed=settings.get("seed"), stop=inputs.stop,
             stop_token_ids=inputs.stop_ids, ignore_eos=settings.get("ignore_eos", False),
-            min_tokens=settings.get("min_tokens", 0))
+            min_tokens=settings.get("min_tokens", 0),
+            num_speculative_tokens=settings.get("num_speculative_tokens"),
+            suffix_cache=settings.get("suffix_cache", True))
     return req
 
 
