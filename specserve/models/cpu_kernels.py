@@ -56,8 +56,10 @@ def _compile(name: str, source: Path, flags: list[str]):
     # The .so is tied to the Python and torch it was built against, and to its source: a folder per source
     # version, so two checkouts (or an upgrade) never rebuild over each other's kernels.
     abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    headers = b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))  # fp_mode.h
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
+    # and to the environment: its torch headers' paths are in the build command, and a changed command rebuilds
+    headers = sorted(source.parent.glob("*.h"))  # fp_mode.h
+    digest = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in headers)
+                            + " ".join([*flags, sys.prefix]).encode()).hexdigest()[:12]
     build_dir = _build_root() / abi / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     built = build_dir / f"{name}.so"
@@ -68,8 +70,32 @@ def _compile(name: str, source: Path, flags: list[str]):
         (build_dir / "lock").unlink(missing_ok=True)
         if not built.exists():
             print(f"specserve: compiling {name} (once) ...", file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
-                    extra_cflags=["-O3", *flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        _use_packaged_ninja()
+        return load(name=name, sources=[str(_source_copy(build_dir, source, headers))],
+                    build_directory=str(build_dir), extra_cflags=["-O3", *flags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _use_packaged_ninja() -> None:
+    """Put the `ninja` package's binary first on PATH for torch's build: a system ninja of another version found
+    first by one process (a venv's python run without activating it) reads the other's build log as a changed
+    command and rebuilds, so processes alternating between the two rebuild the kernels every time."""
+    import ninja
+
+    if not os.environ.get("PATH", "").startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _source_copy(build_dir: Path, source: Path, headers: list[Path]) -> Path:
+    """The source (and headers) copied into the build folder: ninja rebuilds when a source's path changes, so two
+    checkouts of the same source sharing one folder would otherwise rebuild the .so over each other forever."""
+    copies = build_dir / "src"
+    copies.mkdir(exist_ok=True)
+    for path in [source, *headers]:
+        target = copies / path.name
+        if not target.exists() or target.read_bytes() != path.read_bytes():
+            target.write_bytes(path.read_bytes())
+    return copies / source.name
 
 
 QUANT_NAME = "specserve_quant_linear"

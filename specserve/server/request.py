@@ -22,13 +22,14 @@ from specserve.server.http import with_disconnect
 from specserve.server.metrics import ServerMetrics
 from specserve.server.repository import ModelRepository, ServedModel
 from specserve.server.runner import RequestHandle, RequestObserver, RequestTiming
+from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
 
 def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, guide: Guide | None = None) -> SamplingParams:
     """A request's sampling fields -> SamplingParams. The engine checks the values when the request is submitted.
     min_tokens >= max_tokens asks for exactly max_tokens tokens (genai-perf's fixed output length): EOS is
     ignored; a smaller positive min_tokens is refused."""
@@ -39,7 +40,7 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
                          param="min_tokens")
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                          logprobs=logprobs, prompt_logprobs=prompt_logprobs, guide=guide)
 
 
 log = logging.getLogger("specserve.server")

@@ -58,6 +58,7 @@ class DraftModelProposer(Proposer):
         feed = tokens[keep:]
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
+        pushed = 0  # tokens the grammar took for this draft
         try:
             for _ in range(max_len):
                 logits = self._constrained(self._feed(feed))
@@ -72,10 +73,13 @@ class DraftModelProposer(Proposer):
                 drafted.append(token)
                 feed = [token]
                 if self.grammar is not None:
+                    if token in self.grammar.eos_ids:  # the output would end here: nothing to draft after it
+                        break
                     self.grammar.push(token)
+                    pushed += 1
         finally:
             if self.grammar is not None:  # the request's grammar stays where its emitted tokens left it
-                self.grammar.pop(len(drafted))
+                self.grammar.pop(pushed)
         return Proposal.chain(tokens[-1], drafted, torch.stack(dists) if dists else None)
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor | None:

@@ -116,15 +116,16 @@ class GrammarVocabulary:
         matcher = llguidance.LLMatcher(self.tokenizer, self.check(guide), log_level=0)
         if matcher.is_error():
             raise GuideError(f"invalid {guide.kind.replace('_', ' ')}: {matcher.get_error()}")
-        return TokenGrammar(matcher, self.vocab_size)
+        return TokenGrammar(matcher, self.vocab_size, set(self.eos_ids))
 
 
 class TokenGrammar:
     """One request's grammar state: the tokens it allows next, per draft node, and its advance by emitted tokens."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_ids: set[int]):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids  # llguidance keeps no history for them: a draft stops at one, never rolls it back
         self._bits = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
 
     @property
@@ -145,7 +146,7 @@ class TokenGrammar:
         return unpack(self.bits()[None], self.vocab_size)[0]
 
     def push(self, token: int) -> None:
-        """Take one drafted token (allowed by the current mask); `pop` undoes it."""
+        """Take one drafted token (allowed by the current mask, not end-of-sequence); `pop` undoes it."""
         self.matcher.consume_token(token)
         self._raise_on_error()
 
@@ -168,19 +169,21 @@ class TokenGrammar:
         """The nodes of `tree` to keep (node indices, in order, the root first) and their masks [len(keep), V]
         bool: the tokens allowed after each node's path. A child its parent forbids is dropped with its subtree
         when deterministic; one drawn from a distribution (draft_probs has a row for its parent) stays as a leaf
-        with an all-true mask (it is never accepted: the masked target gives it probability 0)."""
+        with an all-true mask (it is never accepted: the masked target gives it probability 0). An allowed
+        end-of-sequence token is a leaf too: the request ends there, so its mask is never used."""
         rows: dict[int, torch.Tensor | None] = {}
         tokens = tree.tokens.tolist()
 
         def walk(node: int) -> None:
             bits = rows[node] = self.bits()
             for child in tree.children(node):
-                if is_allowed(bits, tokens[child]):
-                    self.matcher.consume_token(tokens[child])
+                token = tokens[child]
+                if is_allowed(bits, token) and token not in self.eos_ids:
+                    self.matcher.consume_token(token)
                     walk(child)
                     self.matcher.rollback(1)
-                elif has_distribution(draft_probs, node):
-                    rows[child] = None
+                elif token in self.eos_ids and is_allowed(bits, token) or has_distribution(draft_probs, node):
+                    rows[child] = None  # an allowed end of sequence ends the output: nothing after it counts
             self._raise_on_error()
 
         walk(0)
