@@ -27,6 +27,8 @@ import json
 import threading
 from dataclasses import dataclass
 
+import llguidance
+import llguidance.hf
 import torch
 
 from specserve.speculative.tree import Chain, DraftTree
@@ -65,7 +67,6 @@ class Guide:
 
     def grammar_text(self) -> str:
         """The guide as an llguidance grammar (GuideError when it cannot be translated)."""
-        import llguidance
         self.validate()
         try:
             if self.kind in ("json_object", "json_schema"):
@@ -97,23 +98,18 @@ class GrammarVocabulary:
     def tokenizer(self):
         with self._lock:
             if self._tokenizer is None:
-                import llguidance.hf
                 self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
                                                                eos_token=self.eos_ids or None)
             return self._tokenizer
 
-    def check(self, guide: Guide) -> str:
-        """The guide's grammar, validated against this vocabulary (GuideError with llguidance's message)."""
-        import llguidance
-        grammar = guide.grammar_text()
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise GuideError(f"invalid {guide.kind.replace('_', ' ')}: {error.strip()}")
-        return grammar
+    def check(self, guide: Guide) -> None:
+        """GuideError (llguidance's message) unless the guide compiles against this vocabulary and gives a first
+        mask: llguidance builds its lexer lazily, so a regex such as `a{99999999}` fails only there."""
+        self.compile(guide).bits()
 
     def compile(self, guide: Guide) -> TokenGrammar:
-        import llguidance
-        matcher = llguidance.LLMatcher(self.tokenizer, self.check(guide), log_level=0)
+        """A request's grammar state at the start of its output (GuideError for a guide that does not compile)."""
+        matcher = llguidance.LLMatcher(self.tokenizer, guide.grammar_text(), log_level=0)
         if matcher.is_error():
             raise GuideError(f"invalid {guide.kind.replace('_', ' ')}: {matcher.get_error()}")
         return TokenGrammar(matcher, self.vocab_size, set(self.eos_ids))
@@ -138,7 +134,7 @@ class TokenGrammar:
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
         self._raise_on_error()
         if not bool(self._bits.any()):
-            raise RuntimeError("the grammar allows no next token")
+            raise GuideError("the grammar allows no next token")
         return self._bits.clone()
 
     def allowed(self) -> torch.Tensor:
@@ -192,8 +188,9 @@ class TokenGrammar:
         return keep, unpack(torch.stack([full if rows[n] is None else rows[n] for n in keep]), self.vocab_size)
 
     def _raise_on_error(self) -> None:
+        """A grammar that fails while decoding (a resource limit of llguidance's) is still the client's: a 400."""
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar error: {self.matcher.get_error().splitlines()[0]}")
+            raise GuideError(f"grammar error: {self.matcher.get_error().strip().splitlines()[0]}")
 
 
 def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import specserve.speculative.verify as verify_module
 from specserve.engine.engine import Engine, RequestError
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod, DraftModelProposer
-from specserve.speculative.grammar import Guide, GrammarVocabulary
+from specserve.speculative.grammar import GrammarVocabulary, Guide, GuideError
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
 from specserve.speculative.tree import Chain, DraftTree
@@ -142,8 +142,8 @@ def test_skipping_the_masks_at_draft_nodes_breaks_equality(monkeypatch, loaded, 
     engine = methods(loaded, target)["self_draft"]
     try:
         broken = engine.generate(PROMPTS[0], params).token_ids
-    except RuntimeError as exc:  # it emitted a token the grammar forbids
-        assert "grammar" in str(exc)
+    except GuideError as exc:  # it emitted a token the grammar forbids
+        assert "grammar error" in str(exc)
         broken = None
     assert broken != expected
 
@@ -228,3 +228,32 @@ def test_engine_sampling_with_a_grammar_stays_in_it(loaded, target):
             choice = engine.generate(PROMPTS[1], SamplingParams(max_tokens=40, temperature=1.0, seed=seed,
                                                                 guide=GUIDES[2]))
             assert choice.text in GUIDES[2].spec, (name, choice.text)
+
+
+def test_a_grammar_that_fails_mid_batch_ends_its_request_alone(target):
+    """Guided and unguided requests decode together (n-gram drafts cut per row); one request's grammar breaks
+    while drafting: it fails alone, the others give what they give alone."""
+    from specserve.engine.batch import BatchEngine
+
+    from tests.engine.test_isolation import run
+
+    engine = Engine(target, NGramMethod(1, 3), 3)
+    requests = [(PROMPTS[0], SamplingParams(max_tokens=40, guide=GUIDES[0])),
+                (PROMPTS[1], SamplingParams(max_tokens=24)),
+                (PROMPTS[1], SamplingParams(max_tokens=40, guide=GUIDES[1])),
+                (PROMPTS[1], SamplingParams(max_tokens=60, guide=GUIDES[0]))]
+    batch = BatchEngine(engine, max_batch_size=4)
+    seqs = [batch.add(prompt, params) for prompt, params in requests]
+    victim = seqs[3]
+
+    def poison(step: int) -> None:
+        if step == 6:
+            def broken(*args, **kwargs):
+                raise RuntimeError("grammar error: broken on purpose")
+            victim.grammar.constrain = broken
+
+    results, errors = run(batch, seqs, poison)
+    assert list(errors) == [victim] and "broken on purpose" in str(errors[victim])
+    for (prompt, params), seq in zip(requests, seqs):
+        if seq is not victim:
+            assert results[seq] == engine.generate(prompt, params).token_ids
