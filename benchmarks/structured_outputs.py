@@ -20,7 +20,12 @@ from specserve.config import DeploymentConfig, SpeculativeConfig, build_engine
 from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
-S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+# bounded as a real API's schema would be: a small greedy model can otherwise write digits or a string until
+# max_tokens (the output is then cut, finish_reason "length")
+S = {"type": "string", "maxLength": 80}
+I = {"type": "integer", "minimum": -10**10, "maximum": 10**10}
+N = {"type": "number", "minimum": -10**6, "maximum": 10**6}
+B = {"type": "boolean"}
 
 
 def obj(**properties) -> dict:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from specserve.speculative.tree import Chain, DraftTree
@@ -37,7 +38,6 @@ GUIDE_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON as json.dumps writes it: a model that may put any whitespace anywhere can emit newlines until max_tokens
 # (vLLM's `disable_any_whitespace` exists for this); a schema's own "x-guidance" options override these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GuideError(ValueError):
@@ -194,8 +194,10 @@ class TokenGrammar:
 
 
 def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bitmasks [N, ceil(V / 32)] int32 (bit j of word i: token 32 i + j) -> bool masks [N, V]."""
-    return ((bits[..., None] >> _SHIFTS) & 1).bool().flatten(-2)[..., :vocab_size]
+    """Bitmasks [N, ceil(V / 32)] int32 (bit j of word i: token 32 i + j) -> bool masks [N, V]. The words are
+    little-endian, so byte k of word i holds tokens 32 i + 8 k .. 32 i + 8 k + 7, lowest bit first."""
+    unpacked = np.unpackbits(bits.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(unpacked[..., :vocab_size].view(np.bool_))
 
 
 def is_allowed(bits: torch.Tensor, token: int) -> bool:

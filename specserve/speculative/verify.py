@@ -72,7 +72,7 @@ def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, genera
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
     """logits with the tokens `allowed` [N, V] forbids set to -inf (unchanged when there is no grammar)."""
-    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    return logits if allowed is None else torch.where(allowed, logits, float("-inf"))
 
 
 def greedy_chain(draft: list[int], logits: torch.Tensor) -> Verdict:
