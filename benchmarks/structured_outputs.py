@@ -76,7 +76,8 @@ CASES = [
 
 
 def matches(value, schema: dict) -> bool:
-    """Whether `value` matches `schema` (type, enum, properties, required, additionalProperties, items)."""
+    """Whether `value` matches `schema` (type, enum, properties, required, additionalProperties, items, minimum,
+    maximum, maxLength)."""
     if "enum" in schema:
         return value in schema["enum"]
     kind = schema.get("type")
@@ -89,10 +90,15 @@ def matches(value, schema: dict) -> bool:
         return all(matches(value[key], properties[key]) for key in value if key in properties)
     if kind == "array":
         return isinstance(value, list) and all(matches(item, schema.get("items", {})) for item in value)
-    checks = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}
+    checks = {"string": lambda v: isinstance(v, str) and len(v) <= schema.get("maxLength", len(v)),
+              "boolean": lambda v: isinstance(v, bool),
+              "integer": lambda v: isinstance(v, int) and not isinstance(v, bool) and in_range(v, schema),
+              "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and in_range(v, schema)}
     return checks[kind](value) if kind in checks else True
+
+
+def in_range(value, schema: dict) -> bool:
+    return schema.get("minimum", value) <= value <= schema.get("maximum", value)
 
 
 def prompt_ids(engine, text: str) -> list[int]:
