@@ -12,13 +12,14 @@ import typer
 
 from specserve.config import ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml
 from specserve.engine.engine import RequestError
+from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
-USER_ERRORS = (ConfigError, ModelLoadError, RequestError)
+USER_ERRORS = (ConfigError, ModelLoadError, RequestError, ChatTemplateError)
 
 
 def fail(message: str) -> None:
@@ -193,6 +194,10 @@ def bench(
         json_file.write_text(json.dumps(report, indent=2))
 
 
+BOOLEAN_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                 "off": False}
+
+
 @app.command()
 def serve(
     model_repository: Optional[Path] = typer.Option(
@@ -204,23 +209,30 @@ def serve(
                               f"{DEFAULT_MODEL}."),
     http_port: int = typer.Option(8000, "--http-port", help="Triton HTTP (v2, generate) and OpenAI (/v1) port."),
     metrics_port: int = typer.Option(8002, "--metrics-port", help="Prometheus /metrics port."),
+    grpc_port: int = typer.Option(8001, "--grpc-port", help="KServe v2 gRPC (Triton's GRPCInferenceService) port."),
+    allow_grpc: str = typer.Option("true", "--allow-grpc", metavar="BOOL",
+                                   help="false: no gRPC server (as Triton's --allow-grpc false)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     max_queue_size: int = typer.Option(64, "--max-queue-size", help="Waiting requests per model before 503."),
     model_control_mode: str = typer.Option("none", "--model-control-mode",
                                            help="none: load every model at start, refuse load/unload requests; "
                                                 "explicit: only --load-model, then load/unload on request."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECSERVE_API_KEY",
-                                          help="Require 'Authorization: Bearer <key>' on every route but health "
-                                               "and metrics."),
+                                          help="Require 'Authorization: Bearer <key>' (HTTP header, gRPC "
+                                               "metadata) on every route but health and metrics."),
     max_body_bytes: Optional[int] = typer.Option(None, "--max-body-bytes",
                                                  help="Largest request body (413 above it; default 8 MiB)."),
     max_messages: Optional[int] = typer.Option(None, "--max-messages",
                                                help="Most messages in one chat request (400 above; default 1024)."),
     load_model_names: list[str] = typer.Option([], "--load-model", help="explicit mode: model to load "
                                                                          "(repeatable)."),
+    chat_template: Optional[Path] = typer.Option(
+        None, "--chat-template", help="Jinja chat template for /v1/chat/completions, instead of each model's own "
+                                      "(checkpoint or GGUF; the embedded default has a question-and-answer format)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
 ) -> None:
-    """Serve models over HTTP: Triton v2 + generate (8000), OpenAI /v1 (8000), Prometheus metrics (8002)."""
+    """Serve models: Triton v2 + generate and OpenAI /v1 over HTTP (8000), KServe v2 gRPC (8001), Prometheus
+    metrics (8002)."""
     import logging
 
     from specserve.server.app import SpecServer, build_repository
@@ -229,6 +241,9 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if model_control_mode not in ("none", "explicit"):
         fail(f"--model-control-mode must be none or explicit, got {model_control_mode!r}")
+    grpc_on = BOOLEAN_WORDS.get(allow_grpc.strip().lower())
+    if grpc_on is None:
+        fail(f"--allow-grpc must be true or false, got {allow_grpc!r}")
     if max_queue_size < 1:
         fail(f"--max-queue-size must be >= 1, got {max_queue_size}")
     given = {"max_body_bytes": max_body_bytes, "max_messages": max_messages}
@@ -236,6 +251,7 @@ def serve(
     if limits.max_body_bytes < 1 or limits.max_messages < 1:
         fail("--max-body-bytes and --max-messages must be >= 1")
     try:
+        template = read_template_file(chat_template) if chat_template else None
         repository = build_repository(model_repository, model, max_queue_size)
         names = list(load_model_names) if model_control_mode == "explicit" else None
         unknown = [n for n in names or [] if n not in repository.models]
@@ -249,7 +265,7 @@ def serve(
             fail(f"no model to serve in {model_repository}: expected <name>/1/model.yaml or <name>/1/model.json")
         server = SpecServer(repository, host=host, http_port=http_port, metrics_port=metrics_port,
                             log_level=log_level, model_control_mode=model_control_mode, api_key=api_key or None,
-                            limits=limits)
+                            limits=limits, chat_template=template, grpc_port=grpc_port if grpc_on else None)
     except USER_ERRORS as exc:
         fail(str(exc))
     except OSError as exc:
@@ -257,6 +273,8 @@ def serve(
     for served in repository.ready_models():
         typer.echo(f"model {served.name} ({served.kind}, {served.engine.method_name}) READY", err=True)
     typer.echo(f"Started HTTPService at {host}:{server.http_port} (Triton v2 + OpenAI /v1)", err=True)
+    if grpc_on:
+        typer.echo(f"Started GRPCInferenceService at {host}:{grpc_port}", err=True)
     typer.echo(f"Started Metrics Service at {host}:{server.metrics_port}", err=True)
     try:
         server.run()

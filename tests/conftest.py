@@ -37,7 +37,12 @@ FAMILIES = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+# The tiny models' chat format: a role-prefixed transcript (a model without a template gets no chat).
+TRANSCRIPT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                       "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def build_tokenizer(chat_template: str | None = TRANSCRIPT_TEMPLATE) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -46,7 +51,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.train_from_iterator(CORPUS, trainer)
     from tokenizers.processors import TemplateProcessing
     tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=chat_template)
 
 
 def make_checkpoint(directory, family: str, seed: int = 0, tokenizer=None) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specserve.models import llama2c, quant
+from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
 
@@ -47,6 +48,7 @@ class LoadedModel:
     tokenizer: object
     eos_token_ids: set[int]
     max_model_len: int
+    chat_stop: tuple[str, ...] = ()  # stop strings of its chat format (models/chat_template.py)
 
 
 def cache_root() -> Path:
@@ -397,6 +399,10 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
+    chat = resolve_chat_format(tokenizer, source.gguf, embedded_default=source.name == DEFAULT_MODEL)
+    tokenizer.chat_template = chat.template
+    eos_ids = _eos_ids(hf_config, tokenizer, source.directory)
+    if source.gguf is not None:  # no generation config: a chat turn's end token ends generation, as in llama.cpp
+        eos_ids |= end_of_turn_ids(tokenizer)
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-    return LoadedModel(source.name, source.directory, model, tokenizer,
-                       _eos_ids(hf_config, tokenizer, source.directory), max_len)
+    return LoadedModel(source.name, source.directory, model, tokenizer, eos_ids, max_len, chat.stop)

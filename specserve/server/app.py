@@ -1,8 +1,9 @@
-"""The HTTP app (Triton v2 + OpenAI on one port), the metrics app, and running both with uvicorn.
+"""The HTTP app (Triton v2 + OpenAI on one port), the metrics app, and running both with uvicorn, with the KServe
+gRPC server (`server/grpc/`) in the same event loop.
 
     repo = build_repository(model_repository=None, model=None)    # the default model under the seeds' names
     repo.load_all()
-    server = SpecServer(repo, host="127.0.0.1", http_port=8000, metrics_port=8002)
+    server = SpecServer(repo, host="127.0.0.1", http_port=8000, metrics_port=8002, grpc_port=8001)
     server.run()                                                   # or .start() / .stop() in a background thread
 """
 
@@ -25,6 +26,7 @@ from starlette.routing import Route
 
 from specserve.config import ConfigError, DeploymentConfig, ServingConfig, SpeculativeConfig, load_model_yaml
 from specserve.server import openai, triton
+from specserve.server.grpc import start_grpc_server
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from specserve.server.openai import protocol as openai_protocol
 from specserve.server.repository import (DEFAULT_MAX_QUEUE_SIZE, LLMAPI, VLLM, ModelRepository, default_name,
@@ -148,17 +150,19 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class SpecServer:
-    """Both listeners (HTTP and metrics) in one event loop; `run()` blocks, `start()` runs it in a thread."""
+    """The listeners (HTTP, metrics and, with a `grpc_port`, gRPC) in one event loop; `run()` blocks, `start()`
+    runs it in a thread. `grpc_port=None`: no gRPC (`specserve serve` opens 8001 unless --allow-grpc false)."""
 
     def __init__(self, repository: ModelRepository, host: str = "127.0.0.1", http_port: int = 8000,
                  metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning",
                  model_control_mode: str = "none", api_key: str | None = None,
-                 limits: RequestLimits | None = None):
+                 limits: RequestLimits | None = None, chat_template: str | None = None,
+                 grpc_port: int | None = None):
         self.metrics = metrics or ServerMetrics()
         self.repository = repository
         # not ready until warm (see `serve`)
         self.ctx = ServerContext(repository, self.metrics, ready=False, limits=limits or RequestLimits(),
-                                 model_control_mode=model_control_mode)
+                                 model_control_mode=model_control_mode, chat_template=chat_template)
         for model in repository.ready_models():
             self.metrics.register_model(model.name, model.version, model.deployment.load_seconds)
         repository.on_load = lambda m: self.metrics.register_model(m.name, m.version, m.deployment.load_seconds)
@@ -169,6 +173,10 @@ class SpecServer:
         if metrics_port is not None:
             self._socks.append(bind(host, metrics_port))
         self.http_port = self._socks[0].getsockname()[1]
+        if grpc_port:  # gRPC binds in the event loop: a port taken now fails here, with the others' errors
+            bind(host, grpc_port).close()
+        self._grpc_wanted, self.grpc_port, self._api_key = grpc_port is not None, grpc_port, api_key
+        self._grpc = None  # the grpc.aio server while serving
         self.metrics_port = self._socks[1].getsockname()[1] if metrics_port is not None else None
         self._servers = [uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False,
                                                        timeout_graceful_shutdown=3, lifespan="off"))
@@ -185,10 +193,22 @@ class SpecServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port else None
 
+    @property
+    def grpc_address(self) -> str | None:
+        """host:port of the gRPC server once it listens (what tritonclient.grpc takes as its url)."""
+        if self._grpc is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.grpc_port}"
+
     async def serve(self) -> None:
-        tasks = [asyncio.ensure_future(s.serve(sockets=[sock])) for s, sock in zip(self._servers, self._socks)]
-        warm_up = asyncio.ensure_future(self._warm_up())
+        warm_up = None
         try:
+            if self._grpc_wanted:
+                self._grpc, self.grpc_port = await start_grpc_server(self.ctx, self.host, self.grpc_port,
+                                                                     self._api_key)
+            tasks = [asyncio.ensure_future(s.serve(sockets=[sock])) for s, sock in zip(self._servers, self._socks)]
+            warm_up = asyncio.ensure_future(self._warm_up())
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)  # one stops (signal, error): all stop
             for server in self._servers:
                 server.should_exit = True
@@ -196,8 +216,11 @@ class SpecServer:
                 if isinstance(result, BaseException):
                     raise result
         finally:
-            warm_up.cancel()
+            if warm_up is not None:
+                warm_up.cancel()
             self.ctx.ready = False
+            if self._grpc is not None:
+                await self._grpc.stop(grace=3)  # streams still open are cancelled, with their requests
             self.repository.close()
 
     async def _warm_up(self) -> None:
@@ -216,7 +239,8 @@ class SpecServer:
         ready = threading.Event()
 
         def started() -> bool:
-            return all(s.started for s in self._servers) and self.ctx.ready
+            grpc_up = self._grpc is not None or not self._grpc_wanted
+            return all(s.started for s in self._servers) and grpc_up and self.ctx.ready
 
         for _ in range(int(timeout / 0.02)):
             if started() or not self._thread.is_alive():

@@ -66,6 +66,7 @@ class ServerContext:
     ready: bool = True
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_control_mode: str = "none"  # Triton's: load/unload requests are honoured only in "explicit"
+    chat_template: str | None = None  # --chat-template: overrides every served model's own
     inflight: dict[str, set[RequestHandle]] = field(default_factory=lambda: defaultdict(set))
 
     async def submit(self, model: ServedModel, prompt: str | list[int], params: SamplingParams,

@@ -62,6 +62,7 @@ class Running:
         self.url = server.url
         self.metrics_url = server.metrics_url
         self.host_port = self.url.removeprefix("http://")
+        self.grpc_address = server.grpc_address  # host:port of the KServe gRPC server
         self.http = httpx.Client(base_url=self.url, timeout=TIMEOUT)
 
     @property
@@ -79,7 +80,10 @@ class Running:
 def start_server(repository: ModelRepository, **options) -> Running:
     errors = repository.load_all()
     assert not errors, errors
-    return Running(SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options).start())
+    options.setdefault("grpc_port", 0)  # gRPC on a free port beside HTTP, as `specserve serve` runs it
+    # warming five tiny models takes ~25 s on a busy 2-core machine: start()'s default 30 s was too tight
+    server = SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=0, **options)
+    return Running(server.start(timeout=180))
 
 
 @pytest.fixture(scope="session")

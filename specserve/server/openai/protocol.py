@@ -202,24 +202,27 @@ def _stop_token_ids(body: dict) -> list[int]:
     return list(stop_ids)
 
 
-def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat: bool) -> SamplingParams:
+def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat: bool,
+                 format_stop: tuple[str, ...] = ()) -> SamplingParams:
     """The request's SamplingParams; without max_tokens: 16 for completions, the rest of the context (at most
-    2048) for chat."""
+    2048) for chat. `format_stop`: the chat format's own stop strings, besides the request's."""
     max_tokens = fields.max_tokens
     if max_tokens is None:
         remaining = max_model_len - prompt_len
         max_tokens = min(max(remaining, 1), DEFAULT_CHAT_MAX_TOKENS_CAP) if chat else DEFAULT_COMPLETION_MAX_TOKENS
     return sampling_params(max_tokens=max_tokens, temperature=fields.temperature, top_p=fields.top_p,
-                           top_k=fields.top_k, seed=fields.seed, stop=fields.stop,
+                           top_k=fields.top_k, seed=fields.seed, stop=fields.stop + list(format_stop),
                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
                            min_tokens=fields.min_tokens, logprobs=fields.logprobs,
                            prompt_logprobs=fields.prompt_logprobs, guide=fields.guide)
 
 
-def read_prompt(body: dict, engine, chat: bool, max_messages: int) -> tuple[str | list[int], list[int], str]:
-    """(prompt for the runner, its token ids, the text to echo before the completion)."""
+def read_prompt(body: dict, engine, chat: bool, max_messages: int,
+                chat_template: str | None = None) -> tuple[str | list[int], list[int], str]:
+    """(prompt for the runner, its token ids, the text to echo before the completion); `chat_template` is the
+    server's override of the model's own."""
     if chat:
-        ids = chat_prompt(body, engine, max_messages)
+        ids = chat_prompt(body, engine, max_messages, chat_template)
         return ids, ids, ""
     prompt, ids, text = completion_prompt(body, engine)
     return prompt, ids, text if _get(body, "echo", bool, False) else ""
@@ -264,7 +267,7 @@ def _message_text(message, index: int) -> tuple[str, str]:
     raise InputError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_prompt(body: dict, engine, max_messages: int) -> list[int]:
+def chat_prompt(body: dict, engine, max_messages: int, chat_template: str | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InputError("'messages' must be a non-empty list", param="messages")
@@ -273,19 +276,19 @@ def chat_prompt(body: dict, engine, max_messages: int) -> list[int]:
                          param="messages")
     pairs = [_message_text(m, i) for i, m in enumerate(messages)]
     tokenizer = engine.tokenizer
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InputError("this model has no chat template: start the server with --chat-template FILE, or send "
+                         "the prompt to /v1/completions", param="messages")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise InputError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in pairs], tokenize=False,
-                                                 add_generation_prompt=True, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - jinja raises for conversations the template refuses
-            raise InputError(f"cannot apply the chat template: {exc}", param="messages") from None
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    else:  # no template: a plain transcript
-        text = "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"
-        ids = engine.encode(text)
+    try:
+        text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in pairs], chat_template=template,
+                                             tokenize=False, add_generation_prompt=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - jinja raises for conversations the template refuses
+        raise InputError(f"cannot apply the chat template: {exc}", param="messages") from None
+    ids = tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
         raise InputError("the conversation is empty", param="messages")
     return ids

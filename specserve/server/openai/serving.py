@@ -40,8 +40,10 @@ async def _complete(request: Request, chat: bool) -> Response:
         model, name = find_model(ctx, body)
         check_unsupported(body, chat)
         fields = parse_common(body, chat)
-        prompt, ids, echo = await off_loop(read_prompt, body, model.engine, chat, ctx.limits.max_messages)
-        params = build_params(fields, len(ids), model.engine.max_model_len, chat)
+        prompt, ids, echo = await off_loop(read_prompt, body, model.engine, chat, ctx.limits.max_messages,
+                                          ctx.chat_template)
+        format_stop = model.engine.target.chat_stop if chat and not ctx.chat_template else ()
+        params = build_params(fields, len(ids), model.engine.max_model_len, chat, format_stop)
         for index in range(fields.n):
             handles.append(await ctx.submit(model, prompt, choice_params(params, index)))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),

@@ -82,18 +82,21 @@ async def stats(request: Request) -> Response:
 
 
 def _repository_ctx(request: Request) -> ServerContext:
-    if request.path_params.get("repository"):
-        raise UnsupportedError("'repository_name' specification is not supported")
+    check_repository_name(request.path_params.get("repository"))
     return request.app.state.ctx
 
 
-def _control_ctx(request: Request) -> ServerContext:
-    """The context of a load or unload request, which only explicit model-control mode allows (Triton's status and
-    message otherwise)."""
-    ctx = _repository_ctx(request)
+def check_repository_name(name: str | None) -> None:
+    """Only the server's one repository is addressable: a named one is Triton's "not supported" (501)."""
+    if name:
+        raise UnsupportedError("'repository_name' specification is not supported")
+
+
+def check_model_control(ctx: ServerContext) -> None:
+    """Load and unload requests are allowed only in explicit model-control mode (Triton's status and message
+    otherwise)."""
     if ctx.model_control_mode != "explicit":
         raise InputError("explicit model load / unload is not allowed if polling is enabled", status=503)
-    return ctx
 
 
 async def repository_index(request: Request) -> Response:
@@ -108,17 +111,30 @@ async def repository_index(request: Request) -> Response:
 
 async def repository_load(request: Request) -> Response:
     try:
-        ctx = _control_ctx(request)
+        ctx = _repository_ctx(request)
+        check_model_control(ctx)  # before the body, as Triton answers
         body = await read_json(request)
-        overrides = _load_overrides(body.get("parameters") or {})
-        model = await asyncio.to_thread(ctx.repository.load, request.path_params["model"], overrides or None)
+        await load_model(ctx, request.path_params["model"], body.get("parameters") or {})
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
-    await ctx.warm_up(model)
     return Response(status_code=200)
 
 
-def _load_overrides(parameters) -> dict:
+async def load_model(ctx: ServerContext, name: str, parameters) -> None:
+    """A load request (HTTP or gRPC): checked, the model loaded off the event loop, then warmed up. Raises
+    InputError, RepositoryError."""
+    check_model_control(ctx)
+    overrides = _load_overrides(parameters)
+    model = await asyncio.to_thread(ctx.repository.load, name, overrides or None)
+    await ctx.warm_up(model)
+
+
+def unload_model(ctx: ServerContext, name: str) -> None:
+    check_model_control(ctx)
+    ctx.repository.unload(name)
+
+
+def _load_overrides(parameters: dict) -> dict:
     """A load request's `config` parameter -> the max_batch_size / decoupled it overrides."""
     if not isinstance(parameters, dict):
         raise InputError("'parameters' must be a JSON object")
@@ -143,9 +159,10 @@ def _load_overrides(parameters) -> dict:
 
 async def repository_unload(request: Request) -> Response:
     try:
-        ctx = _control_ctx(request)
+        ctx = _repository_ctx(request)
+        check_model_control(ctx)
         await read_json(request)
-        ctx.repository.unload(request.path_params["model"])
+        unload_model(ctx, request.path_params["model"])
     except (UnsupportedError, InputError, RepositoryError) as exc:
         return error_response(None, exc)
     return Response(status_code=200)

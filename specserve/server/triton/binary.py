@@ -16,8 +16,8 @@ NUMERIC = {"BOOL": "?", "INT8": "b", "UINT8": "B", "INT16": "h", "UINT16": "H", 
            "INT64": "q", "UINT64": "Q", "FP32": "f", "FP64": "d"}
 
 
-def _decode_binary(name: str, datatype: str, raw: bytes) -> list:
-    """One input's raw bytes -> its elements (str for BYTES)."""
+def decode_binary(name: str, datatype: str, raw: bytes) -> list:
+    """One input's raw bytes -> its elements (str for BYTES); KServe gRPC's raw_input_contents use the same form."""
     if datatype == "BYTES":
         return _decode_strings(name, raw)
     code = NUMERIC.get(datatype)
@@ -40,11 +40,16 @@ def _decode_strings(name: str, raw: bytes) -> list[str]:
         if len(chunk) != length:
             raise InputError(f"malformed binary data for input '{name}'")
         offset += length
-        try:
-            items.append(chunk.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise InputError(f"input '{name}' is not valid UTF-8") from None
+        items.append(decode_text(name, chunk))
     return items
+
+
+def decode_text(name: str, raw: bytes) -> str:
+    """One BYTES element as text: the inputs read as strings are prompts, stop words and JSON."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"input '{name}' is not valid UTF-8") from None
 
 
 def _flatten(data) -> list:
@@ -88,17 +93,17 @@ def _input_values(tensors: list, binary: bytes) -> dict:
         if size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InputError(f"binary_data_size of input '{name}' exceeds the body")
-            values[name] = _decode_binary(name, datatype, binary[offset:offset + size])
+            values[name] = decode_binary(name, datatype, binary[offset:offset + size])
             offset += size
         elif "data" in tensor:
             values[name] = _flatten(tensor["data"])
         else:
             raise InputError(f"input '{name}' has no data")
-        _check_shape(name, tensor.get("shape"), len(values[name]))
+        check_shape(name, tensor.get("shape"), len(values[name]))
     return values
 
 
-def _check_shape(name: str, shape, elements: int) -> None:
+def check_shape(name: str, shape, elements: int) -> None:
     """A tensor's declared shape must hold exactly its elements (KServe v2 requires the shape)."""
     if shape is None:
         raise InputError(f"input '{name}' has no 'shape'")

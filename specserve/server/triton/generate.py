@@ -51,12 +51,16 @@ async def _serve(request: Request, respond: Respond) -> Response:
 
 
 def cancel_by_id(ctx: ServerContext, req: GenerateRequest) -> Response:
-    """llmapi `stop: true`: cancel the in-flight requests that carry this request's id (answered as TRT-LLM does:
-    400 "Request cancelled by client")."""
+    return error_json(cancel_in_flight(ctx, req))
+
+
+def cancel_in_flight(ctx: ServerContext, req: GenerateRequest) -> str:
+    """llmapi `stop: true`: cancel the in-flight requests that carry this request's id. Returns the error TRT-LLM
+    answers such a request with (HTTP 400 / gRPC INVALID_ARGUMENT): "Request cancelled by client"."""
     if not req.request_id:
-        return error_json("A request id must be provided for request cancellation")
+        return "A request id must be provided for request cancellation"
     ctx.cancel(req.request_id)
-    return error_json("Request cancelled by client")
+    return "Request cancelled by client"
 
 
 async def complete(ctx: ServerContext, model: ServedModel, req: GenerateRequest) -> dict:
@@ -85,33 +89,46 @@ async def _respond_streaming(request: Request, ctx: ServerContext, model: Served
 
 
 async def _events(model: ServedModel, req: GenerateRequest, handle: RequestHandle, first: StreamEvent):
-    """The SSE events: deltas, llmapi's cumulative text, or the whole response at the end when the request does
-    not stream. Errors after the first event go in-band: `data: {"error": ...}`."""
-    echo = req.prompt if echoes_prompt(req) else ""
-    texts: list[str] = []
-    tokens = 0
-    event = first
+    """The SSE events; errors after the first event go in-band: `data: {"error": ...}`."""
     try:
-        while True:
-            texts.append(event.text)
-            tokens += len(event.token_ids)
-            if req.stream and (event.text or event.result is not None):
-                text = echo + "".join(texts) if req.cumulative else event.text
-                yield _event(model, req, handle, text, tokens if req.cumulative else len(event.token_ids), event)
-            if event.result is not None:
-                break
-            event = await handle.__anext__()
-        if not req.stream:
-            yield _event(model, req, handle, echo + "".join(texts), tokens, event)
-    except StopAsyncIteration:
-        pass
+        async for outputs, _ in response_outputs(model, req, handle, first):
+            yield sse(outputs)
     except Exception as exc:  # noqa: BLE001 - mid-stream errors go in-band
         yield sse({"error": error_message(model, exc)})
     finally:
         await handle.aclose()
 
 
-def _event(model: ServedModel, req: GenerateRequest, handle: RequestHandle, text: str, new_tokens: int,
-           event: StreamEvent) -> bytes:
+async def response_outputs(model: ServedModel, req: GenerateRequest, handle: RequestHandle,
+                           first: StreamEvent | None = None):
+    """The responses of a request answered in several (HTTP generate_stream, gRPC ModelStreamInfer) as (outputs
+    with the response head, final): one per engine step with text (deltas, or llmapi's cumulative text), or one
+    with the whole text at the end when the request does not stream. Raises what the request fails with; the
+    caller closes the handle."""
+    echo = req.prompt if echoes_prompt(req) else ""
+    texts: list[str] = []
+    tokens = 0
+    event = first
+    while True:
+        if event is None:
+            try:
+                event = await handle.__anext__()
+            except StopAsyncIteration:  # ended without a result (cancelled by id): nothing more to send
+                return
+        texts.append(event.text)
+        tokens += len(event.token_ids)
+        final = event.result is not None
+        if req.stream and (event.text or final):
+            text = echo + "".join(texts) if req.cumulative else event.text
+            yield _outputs(model, req, handle, text, tokens if req.cumulative else len(event.token_ids), event), final
+        if final:
+            break
+        event = None
+    if not req.stream:
+        yield _outputs(model, req, handle, echo + "".join(texts), tokens, event), True
+
+
+def _outputs(model: ServedModel, req: GenerateRequest, handle: RequestHandle, text: str, new_tokens: int,
+             event: StreamEvent) -> dict:
     outputs = build_outputs(model, req, text, new_tokens, len(handle.prompt_ids), event.result, handle.timing)
-    return sse({**response_head(model, req), **outputs})
+    return {**response_head(model, req), **outputs}

@@ -1,5 +1,6 @@
 """KServe v2 `infer` on a generation model: the inputs (JSON or binary tensors) are read as a generate request,
-the request runs to the end, and the outputs asked for come back as tensors (binary with `binary_data`)."""
+the request runs to the end, and the outputs asked for come back as tensors (binary with `binary_data`).
+The gRPC front end (`server/grpc/`) shares the request reading and the output tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from specserve.server.repository import ServedModel
 from specserve.server.request import ServerContext
 from specserve.server.triton.binary import encode_element, output_value, parse_infer
 from specserve.server.triton.generate import cancel_by_id, complete
-from specserve.server.triton.protocol import error_response, parse_generate, request_id, resolve_model
+from specserve.server.triton.protocol import (GenerateRequest, error_response, parse_generate, request_id,
+                                              resolve_model)
 from specserve.server.triton.schema import OUTPUTS, Tensor
 
 SEQUENCE_PARAMETERS = ("sequence_end", "sequence_id", "sequence_start")  # ensemble outputs sent as parameters
@@ -30,29 +32,35 @@ async def infer(request: Request) -> Response:
         parameters = payload.get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InputError("'parameters' must be a JSON object")
-        req = parse_generate({**parameters, **values}, model, rid)
+        req = infer_request(model, parameters, values, rid)
         if req.cancel:
             return cancel_by_id(ctx, req)
         if req.stream:
             raise InputError("HTTP end point doesn't support streaming responses; use generate_stream")
         binary_default = bool(parameters.get("binary_data_output", False))
-        wanted = _requested_outputs(payload.get("outputs"), model, binary_default)
+        wanted = requested_outputs(payload.get("outputs"), model, binary_default)
         outputs = await with_disconnect(request, complete(ctx, model, req))
     except Exception as exc:  # noqa: BLE001 - the server stays up
         ctx.refused(model, exc)
         return error_response(model, exc)
     if wanted is None:
-        wanted = {name: binary_default for name in outputs if name in _declared(model)}
+        wanted = {name: binary_default for name in outputs if name in declared_outputs(model)}
     return _response(model, rid, outputs, wanted)
 
 
-def _requested_outputs(requested, model: ServedModel, binary_default: bool) -> dict[str, bool] | None:
+def infer_request(model: ServedModel, parameters: dict, values: dict, rid: str) -> GenerateRequest:
+    """A KServe infer request (request parameters and {input name: flat values}) -> GenerateRequest: the inputs
+    win over parameters of the same name."""
+    return parse_generate({**parameters, **values}, model, rid)
+
+
+def requested_outputs(requested, model: ServedModel, binary_default: bool) -> dict[str, bool] | None:
     """{output name: as binary} for the `outputs` the request names; None: every output the model produces."""
     if requested is None:
         return None
     if not isinstance(requested, list):
         raise InputError("'outputs' must be an array")
-    declared = _declared(model)
+    declared = declared_outputs(model)
     wanted = {}
     for item in requested:
         name = item.get("name") if isinstance(item, dict) else None
@@ -62,7 +70,7 @@ def _requested_outputs(requested, model: ServedModel, binary_default: bool) -> d
     return wanted
 
 
-def _declared(model: ServedModel) -> dict[str, Tensor]:
+def declared_outputs(model: ServedModel) -> dict[str, Tensor]:
     return {t.name: t for t in OUTPUTS[model.kind]}
 
 
@@ -83,16 +91,10 @@ def _response(model: ServedModel, rid: str, outputs: dict, wanted: dict[str, boo
 
 def _tensors(model: ServedModel, outputs: dict, wanted: dict[str, bool]) -> tuple[list[dict], list[bytes]]:
     """The output tensors of the response header and, in order, the binary blobs that follow it."""
-    declared = _declared(model)
-    shape = [1, 1] if model.source.max_batch_size > 0 else [1]
     tensors, blobs = [], []
-    for name, binary in wanted.items():
-        if name not in outputs:
-            continue
-        datatype = declared[name].datatype
-        value = output_value(datatype, outputs[name])
+    for name, datatype, shape, value in output_tensors(model, outputs, wanted):
         tensor = {"name": name, "datatype": datatype, "shape": shape}
-        if binary:
+        if wanted[name]:
             blob = encode_element(datatype, value)
             tensor["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
@@ -100,3 +102,12 @@ def _tensors(model: ServedModel, outputs: dict, wanted: dict[str, bool]) -> tupl
             tensor["data"] = [value]
         tensors.append(tensor)
     return tensors, blobs
+
+
+def output_tensors(model: ServedModel, outputs: dict, names) -> list[tuple[str, str, list[int], object]]:
+    """(name, datatype, shape, value) of each named output the model declares and the response has: one element
+    each, in the batch dimension the model declares."""
+    declared = declared_outputs(model)
+    shape = [1, 1] if model.source.max_batch_size > 0 else [1]
+    return [(name, declared[name].datatype, shape, output_value(declared[name].datatype, outputs[name]))
+            for name in names if name in outputs and name in declared]
