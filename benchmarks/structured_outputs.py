@@ -102,7 +102,8 @@ def in_range(value, schema: dict) -> bool:
 
 
 def prompt_ids(engine, text: str) -> list[int]:
-    """The request as a chat turn when the tokenizer has a template (the default model does)."""
+    """The request as a chat turn in the model's chat format (the embedded default: specserve's question-and-answer
+    format, models/chat_template.py), as the server's chat route renders it."""
     tokenizer = engine.tokenizer
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -116,7 +117,8 @@ def run(engine, cases, max_tokens: int, guided: bool) -> dict:
     engine.generate(prompt_ids(engine, cases[0][0]), warm)  # untimed: kernels, the grammar vocabulary
     outputs, valid, tokens, seconds, drafted, accepted, forwards = [], 0, 0, 0.0, 0, 0, 0
     for text, schema in cases:
-        params = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", schema) if guided else None)
+        params = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", schema) if guided else None,
+                                stop=list(engine.target.chat_stop))  # as the server's chat route sets it
         start = time.perf_counter()
         result = engine.generate(prompt_ids(engine, text), params)
         seconds += time.perf_counter() - start
