@@ -113,8 +113,8 @@ def prompt_ids(engine, text: str) -> list[int]:
 
 
 def run(engine, cases, max_tokens: int, guided: bool) -> dict:
-    warm = SamplingParams(max_tokens=8, guide=Guide("json_schema", cases[0][1]) if guided else None)
-    engine.generate(prompt_ids(engine, cases[0][0]), warm)  # untimed: kernels, the grammar vocabulary
+    warm = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", cases[0][1]) if guided else None)
+    engine.generate(prompt_ids(engine, cases[0][0]), warm)  # untimed, full length: kernels, the grammar vocabulary
     outputs, valid, tokens, seconds, drafted, accepted, forwards = [], 0, 0, 0.0, 0, 0, 0
     for text, schema in cases:
         params = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", schema) if guided else None,
