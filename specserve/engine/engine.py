@@ -23,8 +23,9 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import MAX_KERNEL_TOKENS
 from specserve.speculative.base import Proposal, SpecMethod
+from specserve.speculative.grammar import GrammarVocabulary, GuideError, TokenGrammar, sub_probs, subtree
 from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs
-from specserve.speculative.verify import verify
+from specserve.speculative.verify import mask_logits, verify
 
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
 
@@ -110,6 +111,8 @@ class Engine:
         self.hidden_layers = method.hidden_layers if self.needs_hidden else ()
         self.max_model_len = max_model_len or target.max_model_len
         self.eos_ids = target.eos_token_ids
+        # structured outputs: the tokenizer as the grammar engine sees it, built on the first guided request
+        self.grammar_vocab = GrammarVocabulary(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
 
     @property
     def lossless(self) -> bool:
@@ -140,6 +143,20 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens")
         self.check_token_ids(prompt_ids)
+        if params.guide is not None:
+            try:
+                self.grammar_vocab.check(params.guide)
+            except GuideError as exc:
+                raise RequestError(str(exc)) from None
+
+    def compile_guide(self, params: SamplingParams) -> TokenGrammar | None:
+        """The request's grammar state, or None when it has no guide (RequestError for a guide that fails)."""
+        if params.guide is None:
+            return None
+        try:
+            return self.grammar_vocab.compile(params.guide)
+        except GuideError as exc:
+            raise RequestError(str(exc)) from None
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """RequestError unless every id is a token of the target's vocabulary."""
@@ -162,7 +179,11 @@ class Engine:
         capacity = capacity or self.capacity_for(prompt_ids, params)
         generator = params.make_generator()
         proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
-        return Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids))
+        grammar = self.compile_guide(params)
+        if proposer is not None:
+            proposer.grammar = grammar
+        return Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids),
+                        grammar)
 
     def capacity_for(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
@@ -216,8 +237,12 @@ class Engine:
         for seq, proposal in zip(drafting, self.method.propose_batch(drafting, max_len) if drafting else []):
             if isinstance(proposal, Exception):
                 failed.append((seq, proposal))
-            else:
-                seq.proposal = proposal
+                continue
+            seq.proposal = proposal
+            try:
+                seq.constrain_draft()  # before the forward: forbidden branches cost no target compute
+            except Exception as exc:  # noqa: BLE001 - a grammar failure ends this request alone
+                failed.append((seq, exc))
         return failed
 
     def forward(self, cache: KVCache, seqs: list[Sequence | None]) -> list[StreamEvent | Exception | None]:
@@ -259,8 +284,9 @@ class Sequence:
     draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator, proposer,
-                 stops: StopChecker):
+                 stops: StopChecker, grammar: TokenGrammar | None = None):
         self.params = params
+        self.grammar = grammar  # structured outputs: the grammar state after the emitted tokens
         self.generator = generator
         self.proposer = proposer
         self.stops = stops
@@ -314,6 +340,18 @@ class Sequence:
         following = self.context[start + 1: start + 1 + logits.shape[0]]
         self.prompt_logprobs += token_logprobs(logits, following, self.params, self.params.prompt_logprobs)
 
+    def constrain_draft(self) -> None:
+        """A guided request's draft cut where its grammar forbids a token, with each node's mask of allowed tokens
+        attached (`grammar.TokenGrammar.constrain`); nothing without a guide or once done for this proposal."""
+        proposal = self.proposal
+        if self.grammar is None or proposal.allowed is not None:
+            return
+        keep, allowed = self.grammar.constrain(proposal.tree, proposal.probs)
+        if len(keep) < len(proposal.tree):
+            proposal = Proposal(subtree(proposal.tree, keep), sub_probs(proposal.probs, keep), proposal.typical)
+        proposal.allowed = allowed
+        self.proposal = proposal
+
     def commit(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[list[int], StreamEvent | None]:
         """Verify the draft against the target's logits [k+1, V] (one row per draft node, root first); returns
         (accepted draft nodes, event or None). `hidden` [fed, F]: the target's features at every fed row (the
@@ -322,17 +360,26 @@ class Sequence:
             self.metrics.record_step(0, 0)
             self.stops.finish_reason = "length"
             return [], self._event()
+        self.constrain_draft()  # a step without a draft (the prefill) still needs the root's mask
         proposal = self.proposal
-        nodes, emitted = verify(proposal.tree, logits, self.params, self.generator, proposal.probs, proposal.typical)
+        nodes, emitted = verify(proposal.tree, logits, self.params, self.generator, proposal.probs, proposal.typical,
+                                proposal.allowed)
         if self.params.logprobs is not None:  # row 0 (the root) scores the first emitted token, node n the next
-            self.logprobs += token_logprobs(logits[[0] + nodes], emitted, self.params, self.params.logprobs)
+            path = [0] + nodes  # a guided request's: those of the masked distribution it was drawn from
+            rows = mask_logits(logits[path], None if proposal.allowed is None else proposal.allowed[path])
+            self.logprobs += token_logprobs(rows, emitted, self.params, self.params.logprobs)
         if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
             root = hidden.shape[0] - logits.shape[0]
             self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
         self.metrics.record_step(len(proposal.tokens), len(nodes), proposal.tree.max_depth)
+        if self.grammar is not None:
+            emitted = self.grammar.advance(emitted)
         self.tokens += self.pending + emitted[:-1]
         self.pending = emitted[-1:]
+        self.proposal = Proposal.chain(self.pending[0], [])  # this one's masks are spent
         self.stops.add(emitted)
+        if self.grammar is not None and self.grammar.finished and not self.finished:
+            self.stops.finish_reason = "stop"  # complete (a JSON value closed, a choice matched): nothing may follow
         if self.finished and self.proposer is not None:
             self.proposer.request_finished(self.stops.output)
         del self.logprobs[len(self.stops.output):]  # tokens after a stop are not output

@@ -22,6 +22,7 @@ from specserve.server.http import with_disconnect
 from specserve.server.metrics import ServerMetrics
 from specserve.server.repository import ModelRepository, ServedModel
 from specserve.server.runner import RequestHandle, RequestObserver, RequestTiming
+from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
 
@@ -29,7 +30,7 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
                     seed: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                     ignore_eos: bool = False, min_tokens: int = 0, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, num_speculative_tokens: int | None = None,
-                    suffix_cache: bool = True) -> SamplingParams:
+                    suffix_cache: bool = True, guide: Guide | None = None) -> SamplingParams:
     """A request's sampling fields -> SamplingParams. The engine checks the values when the request is submitted.
     min_tokens >= max_tokens asks for exactly max_tokens tokens (genai-perf's fixed output length): EOS is
     ignored; a smaller positive min_tokens is refused. num_speculative_tokens caps the request's draft tokens per
@@ -42,7 +43,7 @@ def sampling_params(max_tokens: int, temperature: float, top_p: float = 1.0, top
     return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                           logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                          num_speculative_tokens=num_speculative_tokens, suffix_cache=suffix_cache)
+                          num_speculative_tokens=num_speculative_tokens, suffix_cache=suffix_cache, guide=guide)
 
 
 log = logging.getLogger("specserve.server")

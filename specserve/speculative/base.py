@@ -28,6 +28,7 @@ class Proposal:
     tree: DraftTree  # node 0: the root (the pending token); the nodes below it: the draft
     probs: torch.Tensor | None = None  # [N-1, V]: row i the q node i's children were drawn from; None: deterministic
     typical: TypicalAcceptance | None = None  # verify with Medusa's typical acceptance when sampling (lossy)
+    allowed: torch.Tensor | None = None  # [N, V] bool: a guided request's tokens allowed after each node's path
 
     @classmethod
     def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None) -> Proposal:
@@ -40,6 +41,8 @@ class Proposal:
 
 
 class Proposer(ABC):
+    grammar = None  # a guided request's TokenGrammar (grammar.py), for proposers that draft under its masks
+
     @abstractmethod
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         """Draft up to max_len tokens (a tree: up to max_len deep) to follow `tokens` (prompt + generated); the

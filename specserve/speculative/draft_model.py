@@ -58,17 +58,38 @@ class DraftModelProposer(Proposer):
         feed = tokens[keep:]
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
-        for _ in range(max_len):
-            logits = self._feed(feed)
-            if self.params.greedy:
-                token = int(cpu_kernels.argmax(logits))
-            else:
-                q = probabilities(logits[None], self.params)[0]
-                token = int(sample(q[None], self.generator))
-                dists.append(q)
-            drafted.append(token)
-            feed = [token]
+        pushed = 0  # tokens the grammar took for this draft
+        try:
+            for _ in range(max_len):
+                logits = self._constrained(self._feed(feed))
+                if logits is None:  # the grammar allows nothing the draft can say: the target goes on alone
+                    break
+                if self.params.greedy:
+                    token = int(cpu_kernels.argmax(logits))
+                else:
+                    q = probabilities(logits[None], self.params)[0]
+                    token = int(sample(q[None], self.generator))
+                    dists.append(q)
+                drafted.append(token)
+                feed = [token]
+                if self.grammar is not None:
+                    if token in self.grammar.eos_ids:  # the output would end here: nothing to draft after it
+                        break
+                    self.grammar.push(token)
+                    pushed += 1
+        finally:
+            if self.grammar is not None:  # the request's grammar stays where its emitted tokens left it
+                self.grammar.pop(pushed)
         return Proposal.chain(tokens[-1], drafted, torch.stack(dists) if dists else None)
+
+    def _constrained(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """A guided request drafts from the draft's logits masked by its grammar, so a sampled draft's q is the
+        masked distribution it was drawn from (rejection sampling stays exact) and no draft token is forbidden;
+        None when no allowed token is in the draft's vocabulary."""
+        if self.grammar is None:
+            return logits
+        masked = logits.masked_fill(~self.grammar.allowed(), float("-inf"))
+        return masked if bool(torch.isfinite(masked).any()) else None
 
 
 class DraftModelMethod(SpecMethod):

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.speculative.grammar import Guide
+
 SEEDS = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's top_logprobs cap)
 
@@ -27,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # per output token: its log-probability and this many top ones (None: none)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (None: none)
+    guide: Guide | None = None  # structured outputs: the output must match this JSON schema / regex / grammar
     # speculation, per request (not sampling, but the engine reads them from here as it reads the rest):
     num_speculative_tokens: int | None = None  # at most this many draft tokens per step (0: none; None: no cap)
     suffix_cache: bool = True  # the suffix method's shared cache: draft from it and add the response to it
@@ -62,6 +65,10 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.guide is not None:
+            if not isinstance(self.guide, Guide):
+                raise ValueError(f"guide must be a Guide, got {type(self.guide).__name__}")
+            self.guide.validate()
 
     def make_generator(self) -> torch.Generator:
         gen = torch.Generator()

@@ -56,15 +56,23 @@ class Verdict(NamedTuple):
 
 
 def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
-           draft_probs=None, typical: TypicalAcceptance | None = None) -> Verdict:
+           draft_probs=None, typical: TypicalAcceptance | None = None, allowed: torch.Tensor | None = None
+           ) -> Verdict:
     """logits [N, V]: the target's logits at each node of `tree` (row 0: the root). `draft_probs`: None when every
     child is deterministic; else a [N', V] tensor or a sequence whose entry i is the q node i's children were drawn
-    from (None entries: deterministic children there). `typical`: Medusa's rule when sampling."""
+    from (None entries: deterministic children there). `typical`: Medusa's rule when sampling. `allowed` [N, V]
+    bool: a grammar's tokens allowed after each node's path (structured outputs); the others get -inf first."""
+    logits = mask_logits(logits, allowed)
     if params.greedy:
         return greedy_chain(tree.draft, logits) if tree.is_chain else greedy_tree(tree, logits)
     if typical is not None:
         return typical_acceptance(tree, logits, params, generator, typical)
     return rejection_sampling(tree, draft_probs, logits, params, generator)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """logits with the tokens `allowed` [N, V] forbids set to -inf (unchanged when there is no grammar)."""
+    return logits if allowed is None else torch.where(allowed, logits, float("-inf"))
 
 
 def greedy_chain(draft: list[int], logits: torch.Tensor) -> Verdict:

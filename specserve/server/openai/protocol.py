@@ -12,10 +12,12 @@ from starlette.responses import Response
 
 from specserve.engine.engine import RequestError
 from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
+from specserve.server.guides import openai_guide
 from specserve.server.http import json_response, sse
 from specserve.server.repository import RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
+from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -118,6 +120,7 @@ class CommonFields:
     prompt_logprobs: int | None  # the same for the prompt (completions that echo it)
     num_speculative_tokens: int | None  # the request's cap on draft tokens per step (0: no speculation)
     suffix_cache: bool  # false: out of the suffix method's shared cache
+    guide: Guide | None = None  # structured outputs: response_format or vLLM's structured_outputs / guided_*
 
 
 def parse_common(body: dict, chat: bool) -> CommonFields:
@@ -139,7 +142,8 @@ def parse_common(body: dict, chat: bool) -> CommonFields:
         stream=stream, include_usage=bool(options.get("include_usage", False)),
         continuous_usage=bool(options.get("continuous_usage_stats", False)), n=_choices(body),
         logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None,
-        num_speculative_tokens=_draft_cap(body), suffix_cache=_get(body, "suffix_cache", bool, True))
+        num_speculative_tokens=_draft_cap(body), suffix_cache=_get(body, "suffix_cache", bool, True),
+        guide=openai_guide(body))
 
 
 def _draft_cap(body: dict) -> int | None:
@@ -224,7 +228,8 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
                            stop_token_ids=fields.stop_token_ids, ignore_eos=fields.ignore_eos,
                            min_tokens=fields.min_tokens, logprobs=fields.logprobs,
                            prompt_logprobs=fields.prompt_logprobs,
-                           num_speculative_tokens=fields.num_speculative_tokens, suffix_cache=fields.suffix_cache)
+                           num_speculative_tokens=fields.num_speculative_tokens, suffix_cache=fields.suffix_cache,
+                           guide=fields.guide)
 
 
 def read_prompt(body: dict, engine, chat: bool, max_messages: int,
@@ -305,15 +310,11 @@ def chat_prompt(body: dict, engine, max_messages: int, chat_template: str | None
 
 
 def check_unsupported(body: dict, chat: bool) -> None:
-    """Refuse tools, structured output and suffix."""
+    """Refuse tools and suffix (structured outputs: `guides.openai_guide`)."""
     if body.get("tools"):
         raise InputError("tool calling is not supported by specserve", param="tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise InputError("tool calling is not supported by specserve", param="tool_choice")
-    response_format = body.get("response_format")
-    if response_format not in (None, {}) and (not isinstance(response_format, dict)
-                                              or response_format.get("type") != "text"):
-        raise InputError("only response_format {'type': 'text'} is supported", param="response_format")
     if not chat and body.get("suffix"):
         raise InputError("'suffix' is not supported", param="suffix")
 

@@ -15,9 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
+from specserve.server.guides import json_object_input, trtllm_guide, vllm_guide
 from specserve.server.http import json_response
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, ServedModel
 from specserve.server.request import sampling_params
+from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
 STREAMING_NOT_DECOUPLED = "Streaming is only supported in decoupled mode."
@@ -131,10 +133,11 @@ IGNORED = {"pad_id", "model", "spaces_between_special_tokens", "detokenize", "pr
            "sequence_end", "cancellation_check_period_ms", "lora_name"}
 UNSUPPORTED_INPUTS = {"image", "image_url", "lora_id", "lora_path", "lora_ckpt_source", "lora_task_id",
                       "lora_weights", "lora_config", "embedding_request", "prompt_embedding_table",
-                      "prompt_table_extra_id", "prompt_vocab_size", "guided_decoding_guide_type",
-                      "guided_decoding_guide", "decoder_text_input", "embedding_bias_words",
-                      "embedding_bias_weights", "structured_outputs", "guided_decoding",
+                      "prompt_table_extra_id", "prompt_vocab_size", "decoder_text_input", "embedding_bias_words",
+                      "embedding_bias_weights",
                       "sampling_param_logits_post_processor_name", "logit_bias", "allowed_token_ids"}
+# structured outputs: TRT-LLM's guide inputs, and vLLM's SamplingParams objects (in `sampling_parameters`)
+GUIDE_INPUTS = {"guided_decoding_guide_type", "guided_decoding_guide", "structured_outputs", "guided_decoding"}
 DEFAULT_MAX_TOKENS = {LLMAPI: 32, VLLM: 16, ENSEMBLE: None}  # LLM-API SamplingParams / vLLM defaults
 DEFAULT_TEMPERATURE = {LLMAPI: 0.0, VLLM: 1.0, ENSEMBLE: 0.0}  # TRT-LLM samples greedily unless told
 # inputs setting one SamplingParams field or flag (by the name ALIASES gives them) and the type they must have
@@ -188,6 +191,7 @@ class _Inputs:
     stop_ids: list[int] = field(default_factory=list)
     returns: set[str] = field(default_factory=set)
     cancel: bool = False
+    guides: dict = field(default_factory=dict)  # structured-output inputs (GUIDE_INPUTS) as given
 
 
 def request_id(body: dict) -> str:
@@ -247,6 +251,9 @@ def _read_input(inputs: _Inputs, key: str, value, model_name: str) -> None:
         inputs.stop_ids += as_int_list(key, value)
     elif key == "end_id":
         inputs.stop_ids.append(as_int(key, value, 0))
+    elif key in GUIDE_INPUTS:
+        inputs.guides[key] = _unwrap(key, value) if key.startswith("guided_decoding_guide") \
+            else json_object_input(key, value)
     elif target == "return_perf_metrics" or key in RETURN_FLAGS:
         if as_bool(key, value):
             inputs.returns.add("perf_metrics" if target == "return_perf_metrics" else key.removeprefix("return_"))
@@ -297,8 +304,21 @@ def _generate_request(inputs: _Inputs, model: ServedModel, rid: str) -> Generate
             stop_token_ids=inputs.stop_ids, ignore_eos=settings.get("ignore_eos", False),
             min_tokens=settings.get("min_tokens", 0),
             num_speculative_tokens=settings.get("num_speculative_tokens"),
-            suffix_cache=settings.get("suffix_cache", True))
+            suffix_cache=settings.get("suffix_cache", True), guide=_guide(inputs.guides))
     return req
+
+
+def _guide(given: dict) -> Guide | None:
+    """The one structured-output guide of a request's inputs (TRT-LLM's or vLLM's spelling), or None."""
+    found = [(key, vllm_guide(given[key], key)) for key in ("structured_outputs", "guided_decoding")
+             if given.get(key) is not None]
+    trtllm = trtllm_guide(given.get("guided_decoding_guide_type"), given.get("guided_decoding_guide"))
+    found = [(key, guide) for key, guide in found if guide is not None]
+    if trtllm is not None:
+        found.append(("guided_decoding_guide_type", trtllm))
+    if len(found) > 1:
+        raise InputError(f"give one structured-output guide, got {' and '.join(key for key, _ in found)}")
+    return found[0][1] if found else None
 
 
 def _first(value):
