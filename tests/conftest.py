@@ -38,7 +38,7 @@ FAMILIES = {
 
 
 # The tiny models' chat format: a role-prefixed transcript (a model without a template gets no chat).
-TRANSCRIPT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+TRANSCRIPT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                        "{% if add_generation_prompt %}assistant:{% endif %}")
 
 

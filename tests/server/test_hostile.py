@@ -726,6 +726,17 @@ def test_infer_shape_not_matching_data_is_refused(client, tensor):
     assert case.must_refuse and check(client, case).status_code == 400
 
 
+@pytest.mark.parametrize("body", [
+    {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"], "parameters": 5}]},
+    {"inputs": [{"name": "text_output", "parameters": 5}]},
+    {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}],
+     "outputs": [{"name": "text_output", "parameters": [1]}]},
+], ids=["input parameters 5", "unknown input parameters 5", "output parameters [1]"])
+def test_infer_tensor_parameters_that_are_not_objects_are_refused(client, body):
+    response = check(client, Case("triton", "/v2/models/draft_model/infer", to_json(body)))
+    assert response.status_code == 400 and "must be a JSON object" in response.json()["error"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("content", ["hi", "", "tell me more about that " * 5])
 def test_thousands_of_chat_messages_get_a_quick_answer(client, content, stream):

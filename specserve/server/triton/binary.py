@@ -83,13 +83,21 @@ def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     return body[:split], body[split:]
 
 
+def tensor_parameters(tensor: dict, kind: str) -> dict:
+    """An input's or output's `parameters` object ({} when absent); InputError when it is not an object."""
+    parameters = tensor.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InputError(f"the parameters of {kind} '{tensor.get('name')}' must be a JSON object")
+    return parameters
+
+
 def _input_values(tensors: list, binary: bytes) -> dict:
     values, offset = {}, 0
     for tensor in tensors:
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise InputError("each input must be an object with a 'name'")
         name, datatype = tensor["name"], str(tensor.get("datatype", "BYTES")).upper()
-        size = (tensor.get("parameters") or {}).get("binary_data_size")
+        size = tensor_parameters(tensor, "input").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InputError(f"binary_data_size of input '{name}' exceeds the body")

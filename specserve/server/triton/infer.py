@@ -13,7 +13,7 @@ from specserve.server.errors import InputError
 from specserve.server.http import read_body, with_disconnect
 from specserve.server.repository import ServedModel
 from specserve.server.request import ServerContext
-from specserve.server.triton.binary import encode_element, output_value, parse_infer
+from specserve.server.triton.binary import encode_element, output_value, parse_infer, tensor_parameters
 from specserve.server.triton.generate import cancel_by_id, complete
 from specserve.server.triton.protocol import (GenerateRequest, error_response, parse_generate, request_id,
                                               resolve_model)
@@ -66,7 +66,7 @@ def requested_outputs(requested, model: ServedModel, binary_default: bool) -> di
         name = item.get("name") if isinstance(item, dict) else None
         if name not in declared:
             raise InputError(f"unexpected inference output '{name}' for model '{model.name}'")
-        wanted[name] = bool((item.get("parameters") or {}).get("binary_data", binary_default))
+        wanted[name] = bool(tensor_parameters(item, "output").get("binary_data", binary_default))
     return wanted
 
 

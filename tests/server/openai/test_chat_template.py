@@ -70,7 +70,7 @@ def test_the_models_own_template_is_used(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     chat = client.chat.completions.create(model="plain", messages=MESSAGES, max_tokens=8, temperature=0)
     tokenizer = server.repository.models["plain"].engine.tokenizer
-    rendered = "system: Be brief.\nuser: def add(a, b):\nassistant:"
+    rendered = "<s>system: Be brief.\nuser: def add(a, b):\nassistant:"
     assert chat.usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False).input_ids)
     client.close()
 
