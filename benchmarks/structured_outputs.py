@@ -20,8 +20,8 @@ from specserve.config import DeploymentConfig, SpeculativeConfig, build_engine
 from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
-# bounded as a real API's schema would be: a small greedy model can otherwise write digits or a string until
-# max_tokens (the output is then cut, finish_reason "length")
+# bounded as a real API's schema would be: a small greedy model can otherwise write digits, a string or list items
+# until max_tokens (the output is then cut, finish_reason "length")
 S = {"type": "string", "maxLength": 80}
 I = {"type": "integer", "minimum": -10**10, "maximum": 10**10}
 N = {"type": "number", "minimum": -10**6, "maximum": 10**6}
@@ -33,7 +33,7 @@ def obj(**properties) -> dict:
 
 
 def strings() -> dict:
-    return {"type": "array", "items": S}
+    return {"type": "array", "items": S, "maxItems": 6}
 
 
 CASES = [
