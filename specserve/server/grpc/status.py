@@ -1,9 +1,9 @@
 """gRPC status codes for the server's errors, and the API key check.
 
 Every error a client can cause already has its HTTP status in `server/errors.py`; gRPC maps that status to the
-code with the same meaning (400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE, ...), except where gRPC has a
-more precise one: a full queue is RESOURCE_EXHAUSTED (gRPC's "out of quota, retry later") and a cancelled request
-CANCELLED (HTTP has no such status; Triton's HTTP endpoint answers it with 400).
+code with the same meaning (400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE: a full queue too, as Triton's
+gRPC endpoint answers it, so clients' retry policies for UNAVAILABLE apply), except a cancelled request: CANCELLED
+(HTTP has no such status; Triton's HTTP endpoint answers it with 400).
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import hmac
 import grpc
 
 from specserve.server.errors import http_status
-from specserve.server.runner import QueueFullError, RequestCancelledError
+from specserve.server.runner import RequestCancelledError
 
 CODES_BY_HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                         404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
                         499: grpc.StatusCode.CANCELLED, 501: grpc.StatusCode.UNIMPLEMENTED,
                         503: grpc.StatusCode.UNAVAILABLE}
-CODES_BY_ERROR = ((QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-                  (RequestCancelledError, grpc.StatusCode.CANCELLED))
+CODES_BY_ERROR = ((RequestCancelledError, grpc.StatusCode.CANCELLED),)
 
 
 def status_code(exc: BaseException) -> grpc.StatusCode:
