@@ -38,6 +38,7 @@ class ModelSource:
     name: str
     directory: Path  # an HF checkpoint directory (converted from a GGUF or llama2.c file if need be)
     gguf: Path | None = None  # the GGUF file it came from
+    embedded_default: bool = False  # the packaged default model (not a user's file that shares its name)
 
 
 @dataclass
@@ -338,7 +339,7 @@ def resolve_model_source(name: str | None) -> ModelSource:
     """A model name (the embedded default), a checkpoint directory, a GGUF file or a llama2.c checkpoint."""
     if name in (None, "", DEFAULT_MODEL):
         gguf = embedded_default_gguf()
-        return ModelSource(DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf)
+        return ModelSource(DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf, embedded_default=True)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.stem, gguf_to_hf_dir(path), path)
@@ -399,7 +400,7 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
-    chat = resolve_chat_format(tokenizer, source.gguf, embedded_default=source.name == DEFAULT_MODEL)
+    chat = resolve_chat_format(tokenizer, source.gguf, source.embedded_default)
     tokenizer.chat_template = chat.template
     eos_ids = _eos_ids(hf_config, tokenizer, source.directory)
     if source.gguf is not None:  # no generation config: a chat turn's end token ends generation, as in llama.cpp
