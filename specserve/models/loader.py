@@ -50,6 +50,7 @@ class LoadedModel:
     eos_token_ids: set[int]
     max_model_len: int
     chat_stop: tuple[str, ...] = ()  # stop strings of its chat format (models/chat_template.py)
+    embedded_default: bool = False  # the packaged default model: the heads shipped for it apply (specserve/heads)
 
 
 def cache_root() -> Path:
@@ -406,4 +407,5 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
     if source.gguf is not None:  # no generation config: a chat turn's end token ends generation, as in llama.cpp
         eos_ids |= end_of_turn_ids(tokenizer)
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
-    return LoadedModel(source.name, source.directory, model, tokenizer, eos_ids, max_len, chat.stop)
+    return LoadedModel(source.name, source.directory, model, tokenizer, eos_ids, max_len, chat.stop,
+                       source.embedded_default)

@@ -141,6 +141,7 @@ class MethodEntry:
     any_model: bool = False  # its model may be any checkpoint (a vLLM draft naming a head becomes that head's)
     holds_head: Callable[[str], bool] | None = None  # whether a directory holds this method's head
     trains: str | None = None  # the `specserve train` kind that makes its head
+    head_kind: str | None = None  # the kind of head it drafts with (the one shipped for the default model: heads/)
     # `NAME+OTHER` on the command line: (OTHER's entry, the boolean setting it turns on), one pair per OTHER
     combines: tuple[tuple[MethodEntry, str], ...] = ()
     variant: Callable[[dict], MethodEntry] | None = None  # a model.yaml's settings may pick a sibling method
@@ -160,5 +161,16 @@ class MethodEntry:
     def create(self, spec, target) -> SpecMethod:
         options = self.parse(spec)
         if self.model_needed and not options.model:
-            raise ConfigError(f"{self.name} needs speculative_model ({self.model_needed})")
+            options.model = self.shipped_model(target)
         return self.build(options, target)
+
+    def shipped_model(self, target) -> str:
+        """The head shipped for `target` (specserve/heads), for a config that names none; ConfigError if none
+        ships."""
+        from specserve.heads import shipped_head
+
+        path = shipped_head(self.head_kind, target) if self.head_kind else None
+        if path is None:
+            raise ConfigError(f"{self.name} needs speculative_model ({self.model_needed}); no {self.name} head "
+                              f"ships for {getattr(target, 'name', 'this model')}")
+        return str(path)

@@ -122,4 +122,5 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
 DRAFT_MODEL = MethodEntry(DraftModelMethod.name, MethodOptions, build,
                           aliases=("draft_model", "draft", "standalone"), trtllm="Draft_Target", vllm=("draft_model",),
-                          model_needed="the draft model's path", any_model=True, trains="draft")
+                          model_needed="the draft model's path", any_model=True, trains="draft",
+                          head_kind="draft")

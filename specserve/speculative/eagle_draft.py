@@ -425,10 +425,10 @@ def dynamic_if_asked(settings: dict) -> MethodEntry:
 HEAD = "the directory of the EAGLE head"
 BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # eagle3+ngram, eagle3+suffix
 EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
-                     combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True)
+                     head_kind="eagle", combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True)
 EAGLE2 = MethodEntry("eagle2", EagleOptions, build, vllm=("eagle",), model_needed=HEAD,  # vLLM's EAGLE: dynamic
                      holds_head=lambda directory: head_kind(directory) == "eagle", trains="eagle",
-                     combines=BRANCHES, sized_trees=True)
+                     head_kind="eagle", combines=BRANCHES, sized_trees=True)
 EAGLE3 = MethodEntry("eagle3", EagleOptions, build, trtllm="Eagle3", vllm=("eagle3",), model_needed=HEAD,
                      holds_head=lambda directory: head_kind(directory) == "eagle3", trains="eagle3",
-                     combines=BRANCHES, sized_trees=True)
+                     head_kind="eagle3", combines=BRANCHES, sized_trees=True)

@@ -81,4 +81,5 @@ def build(options: MedusaOptions, target: LoadedModel) -> MedusaMethod:
 
 
 MEDUSA = MethodEntry(MedusaMethod.name, MedusaOptions, build, trtllm="Medusa", vllm=("medusa",),
-                     model_needed="the directory of the Medusa heads", trains="medusa")
+                     model_needed="the directory of the Medusa heads", trains="medusa",
+                     head_kind="medusa")

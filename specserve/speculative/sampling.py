@@ -116,6 +116,7 @@ class TokenLogprobs:
     token: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+    rank: int = 1  # 1 + the number of tokens more likely than `token` (vLLM's Logprob.rank)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list[TokenLogprobs]:
@@ -130,5 +131,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
         logs = logs[0]
         best = torch.topk(logs, top) if top else None
         pairs = list(zip(best.indices.tolist(), best.values.tolist())) if best is not None else []
-        out.append(TokenLogprobs(token, float(logs[token]), pairs))
+        logprob = logs[token]
+        out.append(TokenLogprobs(token, float(logprob), pairs, int((logs > logprob).sum()) + 1))
     return out

@@ -36,7 +36,7 @@ BAD_GENERATE = [
     ("unknown input", {"text_input": "hi", "sampling_param_max_token": 4}, 400, "sampling_param_max_token"),
     ("bad_words", {"text_input": "hi", "bad_words": ["foo"]}, 400, "bad_words"),
     ("beam search", {"text_input": "hi", "beam_width": 2}, 400, "beam_width"),
-    ("logprobs", {"text_input": "hi", "return_cumulative_logprob": True}, 400, "return_cumulative_logprob"),
+    ("logits", {"text_input": "hi", "return_generation_logits": True}, 400, "return_generation_logits"),
     ("vllm sampling_parameters not json", {"text_input": "hi", "sampling_parameters": "{"}, 400,
      "sampling_parameters"),
 ]

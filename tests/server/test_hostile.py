@@ -461,6 +461,7 @@ def triton_fields(v: Values) -> dict:
             (("sampling_param_exclude_input_from_output", "exclude_input_in_output", "streaming", "stream",
               "ignore_eos", "return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
               "sampling_param_return_perf_metrics", "return_perf_metrics", "return_log_probs",
+              "return_logprobs", "return_cumulative_logprob",
               "skip_special_tokens"), v.bools)]:
         fields.update(dict.fromkeys(names, strategy))
     return fields

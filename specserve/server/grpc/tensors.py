@@ -79,9 +79,9 @@ def infer_response(model: ServedModel, request_id: str, outputs: dict, names,
     """The response holding the named outputs (raw contents), the ensemble's sequence parameters and, for a
     stream's responses, `triton_final_response`."""
     response = service_pb2.ModelInferResponse(model_name=model.name, model_version=model.version, id=request_id)
-    for name, datatype, shape, value in output_tensors(model, outputs, names):
+    for name, datatype, shape, values in output_tensors(model, outputs, names):
         response.outputs.add(name=name, datatype=datatype, shape=shape)
-        response.raw_output_contents.append(encode_element(datatype, value))
+        response.raw_output_contents.append(b"".join(encode_element(datatype, value) for value in values))
     for name in SEQUENCE_PARAMETERS:
         if name in outputs:
             set_parameter(response.parameters[name], outputs[name])

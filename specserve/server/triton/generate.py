@@ -68,8 +68,10 @@ async def complete(ctx: ServerContext, model: ServedModel, req: GenerateRequest)
     handle = await ctx.submit(model, req.prompt, req.params, req.request_id)
     out = await handle.collect()
     text = (req.prompt if echoes_prompt(req) else "") + out.text
+    scored = (out.result.logprobs if out.result else None) or []
     return {**response_head(model, req), **build_outputs(model, req, text, len(out.token_ids),
-                                                         len(handle.prompt_ids), out.result, handle.timing)}
+                                                         len(handle.prompt_ids), out.result, handle.timing,
+                                                         scored, sum(e.logprob for e in scored))}
 
 
 async def _respond_once(request: Request, ctx: ServerContext, model: ServedModel, req: GenerateRequest) -> Response:
@@ -107,7 +109,8 @@ async def response_outputs(model: ServedModel, req: GenerateRequest, handle: Req
     caller closes the handle."""
     echo = req.prompt if echoes_prompt(req) else ""
     texts: list[str] = []
-    tokens = 0
+    scored: list = []  # the log-probabilities of every token so far (when the request returns them)
+    tokens = sent = 0  # output tokens so far; those the responses sent so far cover
     event = first
     while True:
         if event is None:
@@ -117,18 +120,25 @@ async def response_outputs(model: ServedModel, req: GenerateRequest, handle: Req
                 return
         texts.append(event.text)
         tokens += len(event.token_ids)
+        scored += event.logprobs or []
         final = event.result is not None
         if req.stream and (event.text or final):
+            # a step whose tokens made no text yet sent no response: the next one counts them
+            new, sent = (tokens if req.cumulative else tokens - sent), tokens
             text = echo + "".join(texts) if req.cumulative else event.text
-            yield _outputs(model, req, handle, text, tokens if req.cumulative else len(event.token_ids), event), final
+            yield _outputs(model, req, handle, text, new, event, scored), final
         if final:
             break
         event = None
     if not req.stream:
-        yield _outputs(model, req, handle, echo + "".join(texts), tokens, event), True
+        yield _outputs(model, req, handle, echo + "".join(texts), tokens, event, scored), True
 
 
 def _outputs(model: ServedModel, req: GenerateRequest, handle: RequestHandle, text: str, new_tokens: int,
-             event: StreamEvent) -> dict:
-    outputs = build_outputs(model, req, text, new_tokens, len(handle.prompt_ids), event.result, handle.timing)
+             event: StreamEvent, scored: list) -> dict:
+    """A response's outputs; `scored`: the log-probabilities of every token so far (the response's are the
+    last `new_tokens`)."""
+    mine = scored[len(scored) - new_tokens:] if new_tokens else []
+    outputs = build_outputs(model, req, text, new_tokens, len(handle.prompt_ids), event.result, handle.timing,
+                            mine, sum(e.logprob for e in scored))
     return {**response_head(model, req), **outputs}

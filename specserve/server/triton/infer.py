@@ -92,22 +92,30 @@ def _response(model: ServedModel, rid: str, outputs: dict, wanted: dict[str, boo
 def _tensors(model: ServedModel, outputs: dict, wanted: dict[str, bool]) -> tuple[list[dict], list[bytes]]:
     """The output tensors of the response header and, in order, the binary blobs that follow it."""
     tensors, blobs = [], []
-    for name, datatype, shape, value in output_tensors(model, outputs, wanted):
+    for name, datatype, shape, values in output_tensors(model, outputs, wanted):
         tensor = {"name": name, "datatype": datatype, "shape": shape}
         if wanted[name]:
-            blob = encode_element(datatype, value)
+            blob = b"".join(encode_element(datatype, value) for value in values)
             tensor["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            tensor["data"] = [value]
+            tensor["data"] = values
         tensors.append(tensor)
     return tensors, blobs
 
 
-def output_tensors(model: ServedModel, outputs: dict, names) -> list[tuple[str, str, list[int], object]]:
-    """(name, datatype, shape, value) of each named output the model declares and the response has: one element
-    each, in the batch dimension the model declares."""
+def output_tensors(model: ServedModel, outputs: dict, names) -> list[tuple[str, str, list[int], list]]:
+    """(name, datatype, shape, values) of each named output the model declares and the response has, in the
+    batch dimension the model declares: one element, or a list's elements along the last declared dimension
+    (the ensemble's output_log_probs: [batch, beam, tokens])."""
     declared = declared_outputs(model)
-    shape = [1, 1] if model.source.max_batch_size > 0 else [1]
-    return [(name, declared[name].datatype, shape, output_value(declared[name].datatype, outputs[name]))
-            for name in names if name in outputs and name in declared]
+    batch = [1] if model.source.max_batch_size > 0 else []
+    out = []
+    for name in names:
+        if name not in outputs or name not in declared:
+            continue
+        tensor, value = declared[name], outputs[name]
+        values = value if isinstance(value, list) else [value]
+        shape = batch + [1] * (len(tensor.dims) - 1) + [len(values)]
+        out.append((name, tensor.datatype, shape, [output_value(tensor.datatype, v) for v in values]))
+    return out

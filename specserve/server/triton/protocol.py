@@ -20,7 +20,7 @@ from specserve.server.http import json_response
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, ServedModel
 from specserve.server.request import sampling_params
 from specserve.speculative.grammar import Guide
-from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 STREAMING_NOT_DECOUPLED = "Streaming is only supported in decoupled mode."
 UINT64_MAX = 2**64 - 1
@@ -119,11 +119,13 @@ ALIASES = {
     "sampling_param_return_perf_metrics": "return_perf_metrics", "return_perf_metrics": "return_perf_metrics",
     "min_tokens": "min_tokens", "min_length": "min_tokens",
     "ignore_eos": "ignore_eos", "streaming": "streaming", "stream": "stream",
-    "num_speculative_tokens": "num_speculative_tokens", "suffix_cache": "suffix_cache",
+    "num_speculative_tokens": "num_speculative_tokens", "suffix_cache": "suffix_cache", "logprobs": "logprobs",
 }
-RETURN_FLAGS = {"return_finish_reason", "return_stop_reason", "return_num_input_tokens", "return_num_output_tokens"}
-UNSUPPORTED_FLAGS = {"return_cumulative_logprob", "return_log_probs", "return_logprobs", "return_context_logits",
-                     "return_generation_logits", "return_kv_cache_reuse_stats"}
+RETURN_FLAGS = {"return_finish_reason", "return_stop_reason", "return_num_input_tokens", "return_num_output_tokens",
+                "return_cumulative_logprob", "return_logprobs", "return_log_probs"}
+# the returns (RETURN_FLAGS without "return_") that need the output tokens' log-probabilities
+LOGPROB_RETURNS = {"cumulative_logprob", "logprobs", "log_probs"}
+UNSUPPORTED_FLAGS = {"return_context_logits", "return_generation_logits", "return_kv_cache_reuse_stats"}
 MUST_BE_ONE = {"sampling_param_best_of", "best_of", "n", "num_return_sequences", "beam_width"}
 NEUTRAL_FLOATS = {"sampling_param_frequency_penalty": 0.0, "frequency_penalty": 0.0,
                   "sampling_param_presence_penalty": 0.0, "presence_penalty": 0.0, "min_p": 0.0,
@@ -138,6 +140,7 @@ UNSUPPORTED_INPUTS = {"image", "image_url", "lora_id", "lora_path", "lora_ckpt_s
                       "sampling_param_logits_post_processor_name", "logit_bias", "allowed_token_ids"}
 # structured outputs: TRT-LLM's guide inputs, and vLLM's SamplingParams objects (in `sampling_parameters`)
 GUIDE_INPUTS = {"guided_decoding_guide_type", "guided_decoding_guide", "structured_outputs", "guided_decoding"}
+EXCLUDED_LOGPROB = -9999.0
 DEFAULT_MAX_TOKENS = {LLMAPI: 32, VLLM: 16, ENSEMBLE: None}  # LLM-API SamplingParams / vLLM defaults
 DEFAULT_TEMPERATURE = {LLMAPI: 0.0, VLLM: 1.0, ENSEMBLE: 0.0}  # TRT-LLM samples greedily unless told
 # inputs setting one SamplingParams field or flag (by the name ALIASES gives them) and the type they must have
@@ -145,10 +148,11 @@ SETTINGS = {"max_tokens": as_int, "temperature": as_float, "top_p": as_float, "t
             "seed": lambda key, value: as_int(key, value, 0, UINT64_MAX),
             "min_tokens": lambda key, value: as_int(key, value, 0),
             "ignore_eos": as_bool, "exclude": as_bool, "streaming": as_bool, "stream": as_bool,
-            "num_speculative_tokens": lambda key, value: as_int(key, value, 0), "suffix_cache": as_bool}
+            "num_speculative_tokens": lambda key, value: as_int(key, value, 0), "suffix_cache": as_bool,
+            "logprobs": lambda key, value: as_int(key, value, 0, MAX_LOGPROBS)}
 # inputs accepted only at a neutral value: (names, refused(key, value), message)
 REFUSED = (
-    (UNSUPPORTED_FLAGS, as_bool, "'{key}' is not supported by specserve (no log-probabilities or logits)"),
+    (UNSUPPORTED_FLAGS, as_bool, "'{key}' is not supported by specserve (no logits or cache statistics)"),
     (MUST_BE_ONE, lambda key, value: as_int(key, value) != 1,
      "'{key}' must be 1: specserve returns one sequence per request"),
     (NEUTRAL_FLOATS, lambda key, value: as_float(key, value) != NEUTRAL_FLOATS[key],
@@ -157,8 +161,8 @@ REFUSED = (
     ({"skip_special_tokens"}, lambda key, value: not as_bool(key, value),
      "'skip_special_tokens' = false is not supported by specserve"),
     ({"include_stop_str_in_output"}, as_bool, "'include_stop_str_in_output' = true is not supported by specserve"),
-    ({"logprobs", "prompt_logprobs"}, lambda key, value: value not in (None, 0, False),
-     "'{key}' is not supported by specserve"),
+    ({"prompt_logprobs"}, lambda key, value: value not in (None, 0, False),
+     "'{key}' is not supported by specserve's Triton routes (OpenAI completions score prompts: echo + logprobs)"),
     (IGNORED, lambda key, value: False, ""),
     (UNSUPPORTED_INPUTS, lambda key, value: value not in (None, "", [], [""]),
      "input '{key}' is not supported by specserve"),
@@ -179,6 +183,7 @@ class GenerateRequest:
     returns: set[str] = field(default_factory=set)  # optional outputs asked for: finish_reason, perf_metrics, ...
     cancel: bool = False  # llmapi `stop: true`: cancel the in-flight requests with this request's id
     request_id: str = ""
+    top_logprobs: int | None = None  # vLLM's `logprobs`: top tokens per output token (None: `logprobs` is null)
 
 
 @dataclass
@@ -291,7 +296,7 @@ def _generate_request(inputs: _Inputs, model: ServedModel, rid: str) -> Generate
     req = GenerateRequest(prompt=inputs.prompt, returns=inputs.returns, cancel=inputs.cancel, request_id=rid,
                           stream=bool(settings.get("streaming") or settings.get("stream")),
                           cumulative=bool(settings.get("streaming")) and kind == LLMAPI,
-                          exclude_input=settings.get("exclude"))
+                          exclude_input=settings.get("exclude"), top_logprobs=settings.get("logprobs"))
     if req.stream and not model.source.decoupled:
         raise InputError(STREAMING_NOT_DECOUPLED)
     if kind == VLLM and req.stream and req.exclude_input is False:
@@ -304,8 +309,18 @@ def _generate_request(inputs: _Inputs, model: ServedModel, rid: str) -> Generate
             stop_token_ids=inputs.stop_ids, ignore_eos=settings.get("ignore_eos", False),
             min_tokens=settings.get("min_tokens", 0),
             num_speculative_tokens=settings.get("num_speculative_tokens"),
-            suffix_cache=settings.get("suffix_cache", True), guide=_guide(inputs.guides))
+            suffix_cache=settings.get("suffix_cache", True), guide=_guide(inputs.guides),
+            logprobs=_logprobs_to_compute(req))
     return req
+
+
+def _logprobs_to_compute(req: GenerateRequest) -> int | None:
+    """The engine's `logprobs` (top tokens per output token) for what the request returns: None when it returns
+    no log-probability, the sampled token's alone (0) for cumulative ones."""
+    asked = req.returns & LOGPROB_RETURNS
+    if not asked:
+        return None
+    return req.top_logprobs or 0 if "logprobs" in asked else 0
 
 
 def _guide(given: dict) -> Guide | None:
@@ -360,8 +375,10 @@ def response_head(model: ServedModel, req: GenerateRequest) -> dict:
 
 
 def build_outputs(model: ServedModel, req: GenerateRequest, text: str, new_tokens: int, prompt_tokens: int,
-                  result=None, timing=None) -> dict:
-    """One response's outputs and response parameters, {name: value} (values are JSON scalars)."""
+                  result=None, timing=None, scored: list[TokenLogprobs] = (), cumulative: float = 0.0) -> dict:
+    """One response's outputs and response parameters, {name: value} (values are JSON scalars, or lists of them
+    for multi-element tensors). `scored`: the log-probabilities of this response's tokens; `cumulative`: their
+    sum over the whole output so far."""
     out: dict = {"text_output": text}
     if model.kind == ENSEMBLE:  # response parameters the ensemble scheduler adds
         out.update(sequence_end=False, sequence_id=0, sequence_start=False)
@@ -375,7 +392,40 @@ def build_outputs(model: ServedModel, req: GenerateRequest, text: str, new_token
         out["num_output_tokens"] = new_tokens
     if "perf_metrics" in req.returns and result is not None:
         out.update(_perf_metrics(model, result, timing))
+    out.update(_logprob_outputs(model, req, scored, cumulative))
     return out
+
+
+def _logprob_outputs(model: ServedModel, req: GenerateRequest, scored: list[TokenLogprobs], cumulative: float) -> dict:
+    """Each backend's log-probability outputs: vLLM's `cumulative_logprob` (FP32; the LLM API's is BYTES) and
+    `logprobs` (JSON: per token {token id: {logprob, rank, decoded_token}} for the sampled token and the top
+    `logprobs`, null when the request set no `logprobs`), the TRT-LLM ensemble's `cum_log_probs` and
+    `output_log_probs` (one float per token of this response)."""
+    out: dict = {}
+    if "cumulative_logprob" in req.returns:
+        out["cumulative_logprob"] = cumulative if model.kind == VLLM else str(cumulative)
+    if "logprobs" in req.returns:
+        decoded = model.engine.tokenizer.decode
+        out["logprobs"] = "null" if req.top_logprobs is None else json.dumps(
+            [_vllm_token_logprobs(entry, decoded) for entry in scored])
+    if "log_probs" in req.returns:
+        out["cum_log_probs"] = cumulative
+        out["output_log_probs"] = [_finite(entry.logprob) for entry in scored]
+    return out
+
+
+def _vllm_token_logprobs(entry: TokenLogprobs, decoded) -> dict:
+    """vLLM's per-token dict: the sampled token with its rank, then the top tokens, keyed by token id."""
+    ranked = [(entry.token, entry.logprob, entry.rank)] + [(t, lp, i + 1) for i, (t, lp) in enumerate(entry.top)]
+    out: dict = {}
+    for token, logprob, rank in ranked:
+        out.setdefault(str(token), {"logprob": _finite(logprob), "rank": rank, "decoded_token": decoded([token])})
+    return out
+
+
+def _finite(logprob: float) -> float:
+    """A token the sampling distribution excludes has -inf; JSON has none, so -9999.0 as vLLM's OpenAI routes."""
+    return logprob if math.isfinite(logprob) else EXCLUDED_LOGPROB
 
 
 def _perf_metrics(model: ServedModel, result, timing) -> dict:
