@@ -23,8 +23,10 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import MAX_KERNEL_TOKENS
 from specserve.speculative.base import Proposal, SpecMethod
-from specserve.speculative.grammar import GrammarVocabulary, GuideError, TokenGrammar, sub_probs, subtree
+from specserve.speculative.grammar import (AfterForced, GrammarVocabulary, GuideError, TokenGrammar, sub_probs,
+                                          subtree)
 from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs
+from specserve.speculative.tree import Chain, after_chain
 from specserve.speculative.verify import mask_logits, verify
 
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
@@ -95,6 +97,15 @@ class StopChecker:
                         end -= k
                         break
         return end
+
+
+def forced_then(root: int, forced: list[int], proposal: Proposal | None) -> Proposal:
+    """A draft of the grammar's forced tokens from `root`, with the method's draft from their end (None: the
+    forced tokens took the room) below them. A method's sampled draft (with its q rows) is dropped: the methods
+    that draft after forced tokens draft deterministically."""
+    if proposal is None or proposal.probs is not None:
+        return Proposal(Chain(root, forced))
+    return Proposal(after_chain(root, forced, proposal.tree), typical=proposal.typical)
 
 
 class Engine:
@@ -234,16 +245,35 @@ class Engine:
         for seq in seqs:
             seq.proposal = Proposal.chain(seq.pending[0], [])
         failed = []
-        for seq, proposal in zip(drafting, self.method.propose_batch(drafting, max_len) if drafting else []):
+        views = []  # each drafting sequence as the method sees it: after the tokens its grammar forces, if any
+        for seq in drafting:
+            try:
+                views.append(self.after_forced(seq, max_len))
+            except Exception as exc:  # noqa: BLE001 - a grammar failure ends this request alone
+                failed.append((seq, exc))
+        asking = [view for view in views if view.draft_room(max_len) > 0]
+        proposals = dict(zip(map(id, asking), self.method.propose_batch(asking, max_len) if asking else []))
+        for view in views:
+            seq, proposal = getattr(view, "seq", view), proposals.get(id(view))
             if isinstance(proposal, Exception):
                 failed.append((seq, proposal))
                 continue
-            seq.proposal = proposal
             try:
+                seq.proposal = forced_then(seq.pending[0], view.forced, proposal) \
+                    if isinstance(view, AfterForced) else proposal
                 seq.constrain_draft()  # before the forward: forbidden branches cost no target compute
             except Exception as exc:  # noqa: BLE001 - a grammar failure ends this request alone
                 failed.append((seq, exc))
         return failed
+
+    def after_forced(self, seq: Sequence, max_len: int):
+        """`seq` as its method drafts for it: a guided request whose grammar forces the next tokens (a JSON
+        schema's keys and punctuation) drafts those first, and the method drafts on after them. Only for methods
+        that draft from tokens alone (n-gram, suffix); a model-drafting method needs the target's features."""
+        if seq.grammar is None or not self.method.drafts_for_free:
+            return seq
+        forced = seq.grammar.forced(seq.draft_room(max_len))
+        return AfterForced(seq, forced) if forced else seq
 
     def forward(self, cache: KVCache, seqs: list[Sequence | None]) -> list[StreamEvent | Exception | None]:
         """One target forward for rows 0..len(seqs)-1 of `cache` (None: an idle row, fed a dummy token): each

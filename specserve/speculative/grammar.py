@@ -141,6 +141,20 @@ class TokenGrammar:
         """The allowed next tokens as a bool mask [V]."""
         return unpack(self.bits()[None], self.vocab_size)[0]
 
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar forces, at most `limit`: each the only token its mask allows, never an
+        end-of-sequence token (a JSON schema's keys and punctuation). The masked target gives such a token
+        probability 1, so a draft of them is accepted whatever the sampling. The state is left as it was."""
+        out: list[int] = []
+        while len(out) < limit and not self.finished:
+            token = only_token(self.bits())
+            if token is None or token in self.eos_ids:
+                break
+            self.push(token)
+            out.append(token)
+        self.pop(len(out))
+        return out
+
     def push(self, token: int) -> None:
         """Take one drafted token (allowed by the current mask, not end-of-sequence); `pop` undoes it."""
         self.matcher.consume_token(token)
@@ -200,8 +214,38 @@ def unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(unpacked[..., :vocab_size].view(np.bool_))
 
 
+def only_token(bits: torch.Tensor) -> int | None:
+    """The token a bitmask allows when it allows exactly one, else None."""
+    words = torch.nonzero(bits).flatten()
+    if words.numel() != 1:
+        return None
+    index = int(words[0])
+    word = int(bits[index]) & 0xFFFFFFFF
+    return 32 * index + word.bit_length() - 1 if word & (word - 1) == 0 else None
+
+
 def is_allowed(bits: torch.Tensor, token: int) -> bool:
     return 0 <= token < 32 * bits.numel() and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+
+@dataclass
+class AfterForced:
+    """A guided request as its method's drafter sees it once the tokens its grammar forces are drafted: the method
+    drafts on from the end of them (`Drafting`, speculative/base.py), and its draft hangs below them."""
+
+    seq: object  # the engine's Sequence
+    forced: list[int]
+
+    @property
+    def proposer(self):
+        return self.seq.proposer
+
+    @property
+    def context(self) -> list[int]:
+        return self.seq.context + self.forced
+
+    def draft_room(self, max_len: int) -> int:
+        return self.seq.draft_room(max_len) - len(self.forced)
 
 
 def has_distribution(draft_probs, node: int) -> bool:

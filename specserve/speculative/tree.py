@@ -126,3 +126,12 @@ def tree_from_choices(choices: Sequence[Sequence[int]], candidates: Sequence[Seq
         tokens.append(int(candidates[depth - 1][rank]))
         parents.append(index[parent] if parent else 0)
     return DraftTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def after_chain(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
+    """`tree` (rooted at chain[-1]) hung below the chain root -> chain: one tree whose first nodes are the chain."""
+    if tree.is_chain:
+        return Chain(root, chain + tree.draft)
+    offset = len(chain)  # tree node i becomes node offset + i; its root is the chain's last node
+    parents = list(range(-1, offset)) + [p + offset for p in tree.parents.tolist()[1:]]
+    return DraftTree([root, *chain, *tree.tokens.tolist()[1:]], parents)

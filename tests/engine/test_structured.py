@@ -257,3 +257,65 @@ def test_a_grammar_that_fails_mid_batch_ends_its_request_alone(target):
     for (prompt, params), seq in zip(requests, seqs):
         if seq is not victim:
             assert results[seq] == engine.generate(prompt, params).token_ids
+
+
+# ---- tokens the grammar forces -----------------------------------------------------------------------------------
+
+class NoDraft(SpecMethod):
+    """A method that drafts from tokens alone but never proposes anything: every draft is the grammar's forced one."""
+
+    name = "no_draft"
+    drafts_for_free = True
+
+    def new_proposer(self, params, generator, capacity) -> Proposer:
+        class Nothing(Proposer):
+            def propose(self, tokens, max_len):
+                return Proposal.chain(tokens[-1], [])
+        return Nothing()
+
+
+def test_the_grammar_forces_a_schemas_first_key_and_keeps_its_state(target):
+    grammar = GrammarVocabulary(target.tokenizer, target.model.spec.vocab_size, target.eos_token_ids).compile(
+        GUIDES[0])
+    before = grammar.bits()
+    forced = grammar.forced(16)
+    # required keys come in order; the value is not forced (a boolean's token may carry the space before it)
+    assert target.tokenizer.decode(forced) in ('{"ok":', '{"ok": ')
+    assert torch.equal(grammar.bits(), before)
+    assert grammar.forced(2) == forced[:2]
+
+
+def test_forced_tokens_are_drafted_and_always_accepted(target):
+    params = SamplingParams(max_tokens=48, guide=GUIDES[0])
+    expected = Engine(target).generate(PROMPTS[0], params)
+    result = Engine(target, NoDraft(), 8).generate(PROMPTS[0], params)
+    assert result.token_ids == expected.token_ids
+    m = result.metrics
+    assert m.total_draft_tokens >= 8 and m.total_accepted_draft_tokens == m.total_draft_tokens
+
+
+def test_a_token_that_is_not_forced_is_not_always_accepted(monkeypatch, target):
+    """Control: taking the first allowed token for a forced one (where several are allowed) drafts tokens the
+    target rejects, so the always-accepted check above can fail."""
+    def first_allowed(bits):
+        words = torch.nonzero(bits).flatten()
+        word = int(bits[int(words[0])]) & 0xFFFFFFFF
+        return 32 * int(words[0]) + (word & -word).bit_length() - 1
+
+    monkeypatch.setattr(grammar_module, "only_token", first_allowed)
+    m = Engine(target, NoDraft(), 8).generate(PROMPTS[0], SamplingParams(max_tokens=48, guide=GUIDES[0])).metrics
+    assert m.total_accepted_draft_tokens < m.total_draft_tokens
+
+
+def test_sampling_with_forced_drafts_keeps_the_constrained_distribution(target):
+    """Sampled outputs of a regex whose ', ' is forced: the same distribution with forced drafting as plain."""
+    guide = Guide("regex", r"(yes|no), [a-c]\.")
+    samples = 500
+    counts = {}
+    for name, engine in (("plain", Engine(target)), ("forced", Engine(target, NoDraft(), 4))):
+        counts[name] = Counter(engine.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=1.0, seed=s,
+                                                                         guide=guide)).text for s in range(samples))
+    assert sum(counts["forced"].values()) == samples and set(counts["forced"]) <= {
+        f"{a}, {b}." for a in ("yes", "no") for b in "abc"}
+    expected = {k: v / samples for k, v in counts["plain"].items()}
+    assert total_variation(counts["forced"], expected) < 2 * tv_bound(6, samples)
