@@ -1,8 +1,10 @@
 """Structured outputs with and without speculation on the default model: 20 JSON-schema requests (written for
-specserve, general topics), greedy, 128 tokens, plain decoding vs n-gram speculation on the same constrained
-requests, and n-gram on the same prompts without a guide for the acceptance it has there.
+specserve, general topics), greedy, 128 tokens, plain decoding vs speculation (n-gram by default; each of
+--methods) on the same constrained requests, and the first method on the same prompts without a guide for the
+acceptance it has there.
 
-    python benchmarks/structured_outputs.py [--num-prompts 20] [--max-tokens 128] [--max-draft-len 4] [--json out.json]
+    python benchmarks/structured_outputs.py [--num-prompts 20] [--max-tokens 128] [--max-draft-len 4]
+        [--methods ngram,suffix] [--json out.json]
 
 Reports per run: output tokens/s, acceptance rate and length (tokens per target forward), the share of outputs that
 are valid JSON matching their schema (a run cut by max_tokens is not), and whether the speculative outputs equal
@@ -115,6 +117,8 @@ def prompt_ids(engine, text: str) -> list[int]:
 def run(engine, cases, max_tokens: int, guided: bool) -> dict:
     warm = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", cases[0][1]) if guided else None)
     engine.generate(prompt_ids(engine, cases[0][0]), warm)  # untimed, full length: kernels, the grammar vocabulary
+    if engine.method is not None:
+        engine.method.reset()  # a method that learns across requests (suffix) must not draft from the warm-up
     outputs, valid, tokens, seconds, drafted, accepted, forwards = [], 0, 0, 0.0, 0, 0, 0
     for text, schema in cases:
         params = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", schema) if guided else None,
@@ -142,22 +146,26 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=len(CASES))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-draft-len", type=int, default=4)
+    parser.add_argument("--methods", default="ngram", help="comma-separated speculative methods run guided")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     cases = CASES[: args.num_prompts]
     base = DeploymentConfig()
     target = base.model.load()
-    plain = build_engine(base, target)
-    ngram = build_engine(replace(base, speculative=SpeculativeConfig("ngram", args.max_draft_len)), target)
-    runs = {"ar+json_schema": run(plain, cases, args.max_tokens, True),
-            "ngram+json_schema": run(ngram, cases, args.max_tokens, True),
-            "ngram (no guide)": run(ngram, cases, args.max_tokens, False)}
+    engines = {name: build_engine(replace(base, speculative=SpeculativeConfig(name, args.max_draft_len)), target)
+               for name in args.methods.split(",")}
+    runs = {"ar+json_schema": run(build_engine(base, target), cases, args.max_tokens, True)}
+    for name, engine in engines.items():
+        runs[f"{name}+json_schema"] = run(engine, cases, args.max_tokens, True)
+    first = next(iter(engines))
+    runs[f"{first} (no guide)"] = run(engines[first], cases, args.max_tokens, False)
     reference = runs["ar+json_schema"]["outputs"]
-    equal = [a == b for a, b in zip(runs["ngram+json_schema"]["outputs"], reference)]
     summary = {name: {k: v for k, v in r.items() if k != "outputs"} for name, r in runs.items()}
-    summary["ngram+json_schema"]["outputs_equal_ar"] = f"{sum(equal)}/{len(equal)}"
-    summary["ngram+json_schema"]["speedup_vs_ar"] = round(
-        runs["ngram+json_schema"]["tokens_per_s"] / runs["ar+json_schema"]["tokens_per_s"], 3)
+    for name in engines:
+        key = f"{name}+json_schema"
+        equal = [a == b for a, b in zip(runs[key]["outputs"], reference)]
+        summary[key]["outputs_equal_ar"] = f"{sum(equal)}/{len(equal)}"
+        summary[key]["speedup_vs_ar"] = round(runs[key]["tokens_per_s"] / runs["ar+json_schema"]["tokens_per_s"], 3)
     print(json.dumps(summary, indent=2))
     if args.json:
         with open(args.json, "w") as out:

@@ -119,6 +119,14 @@ class TokenLogprobs:
     rank: int = 1  # 1 + the number of tokens more likely than `token` (vLLM's Logprob.rank)
 
 
+EXCLUDED_LOGPROB = -9999.0  # a token the sampling distribution excludes (-inf), as vLLM writes it in JSON
+
+
+def json_logprob(logprob: float) -> float:
+    """A log-probability as JSON can carry it: JSON has no -inf."""
+    return logprob if math.isfinite(logprob) else EXCLUDED_LOGPROB
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list[TokenLogprobs]:
     """Row i of logits [N, V] scores tokens[i]. The distribution is the one sampling draws from (temperature,
     top-k, top-p; a token they exclude gets -inf); greedy requests get the model's own (log-softmax of the raw

@@ -10,15 +10,7 @@ A token that distribution excludes (top-k / top-p) has -inf, written as -9999.0 
 
 from __future__ import annotations
 
-import math
-
-from specserve.speculative.sampling import TokenLogprobs
-
-EXCLUDED = -9999.0
-
-
-def _number(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else EXCLUDED
+from specserve.speculative.sampling import TokenLogprobs, json_logprob
 
 
 class TokenText:
@@ -43,7 +35,7 @@ def completion_logprobs(text_of: TokenText, ids: list[int], entries: list[TokenL
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens,
-            "token_logprobs": [None if e is None else _number(e.logprob) for e in entries],
+            "token_logprobs": [None if e is None else json_logprob(e.logprob) for e in entries],
             "top_logprobs": [None if e is None else _top_by_text(text_of, e.top) for e in entries],
             "text_offset": offsets}
 
@@ -52,7 +44,7 @@ def _top_by_text(text_of: TokenText, top: list[tuple[int, float]]) -> dict[str, 
     """The legacy layout keys top tokens by text: of tokens with the same text, the likeliest keeps its entry."""
     out: dict[str, float] = {}
     for token, logprob in top:
-        out.setdefault(text_of(token), _number(logprob))
+        out.setdefault(text_of(token), json_logprob(logprob))
     return out
 
 
@@ -63,7 +55,7 @@ def join_completion_logprobs(parts: list[dict]) -> dict:
 def chat_logprobs(text_of: TokenText, entries: list[TokenLogprobs]) -> dict:
     def item(token: int, logprob: float) -> dict:
         text = text_of(token)
-        return {"token": text, "logprob": _number(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}

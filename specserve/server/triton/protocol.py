@@ -20,7 +20,7 @@ from specserve.server.http import json_response
 from specserve.server.repository import ENSEMBLE, LLMAPI, VLLM, ServedModel
 from specserve.server.request import sampling_params
 from specserve.speculative.grammar import Guide
-from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs, json_logprob
 
 STREAMING_NOT_DECOUPLED = "Streaming is only supported in decoupled mode."
 UINT64_MAX = 2**64 - 1
@@ -140,7 +140,6 @@ UNSUPPORTED_INPUTS = {"image", "image_url", "lora_id", "lora_path", "lora_ckpt_s
                       "sampling_param_logits_post_processor_name", "logit_bias", "allowed_token_ids"}
 # structured outputs: TRT-LLM's guide inputs, and vLLM's SamplingParams objects (in `sampling_parameters`)
 GUIDE_INPUTS = {"guided_decoding_guide_type", "guided_decoding_guide", "structured_outputs", "guided_decoding"}
-EXCLUDED_LOGPROB = -9999.0
 DEFAULT_MAX_TOKENS = {LLMAPI: 32, VLLM: 16, ENSEMBLE: None}  # LLM-API SamplingParams / vLLM defaults
 DEFAULT_TEMPERATURE = {LLMAPI: 0.0, VLLM: 1.0, ENSEMBLE: 0.0}  # TRT-LLM samples greedily unless told
 # inputs setting one SamplingParams field or flag (by the name ALIASES gives them) and the type they must have
@@ -410,7 +409,7 @@ def _logprob_outputs(model: ServedModel, req: GenerateRequest, scored: list[Toke
             [_vllm_token_logprobs(entry, decoded) for entry in scored])
     if "log_probs" in req.returns:
         out["cum_log_probs"] = cumulative
-        out["output_log_probs"] = [_finite(entry.logprob) for entry in scored]
+        out["output_log_probs"] = [json_logprob(entry.logprob) for entry in scored]
     return out
 
 
@@ -419,13 +418,8 @@ def _vllm_token_logprobs(entry: TokenLogprobs, decoded) -> dict:
     ranked = [(entry.token, entry.logprob, entry.rank)] + [(t, lp, i + 1) for i, (t, lp) in enumerate(entry.top)]
     out: dict = {}
     for token, logprob, rank in ranked:
-        out.setdefault(str(token), {"logprob": _finite(logprob), "rank": rank, "decoded_token": decoded([token])})
+        out.setdefault(str(token), {"logprob": json_logprob(logprob), "rank": rank, "decoded_token": decoded([token])})
     return out
-
-
-def _finite(logprob: float) -> float:
-    """A token the sampling distribution excludes has -inf; JSON has none, so -9999.0 as vLLM's OpenAI routes."""
-    return logprob if math.isfinite(logprob) else EXCLUDED_LOGPROB
 
 
 def _perf_metrics(model: ServedModel, result, timing) -> dict:
