@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 
-def write_weights(module: torch.nn.Module, path: Path, file_name: str) -> None:
-    """`module.state_dict()` into path/file_name (.safetensors or a torch.save file)."""
-    state = {k: v.detach().contiguous().clone() for k, v in module.state_dict().items()}
+def write_weights(module: torch.nn.Module | dict, path: Path, file_name: str) -> None:
+    """`module.state_dict()` (or a state dict) into path/file_name (.safetensors or a torch.save file)."""
+    state = module if isinstance(module, dict) else module.state_dict()
+    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
     if file_name.endswith(".safetensors"):
         from safetensors.torch import save_file
         save_file(state, str(path / file_name))

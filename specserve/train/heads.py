@@ -48,6 +48,7 @@ class TrainSettings:
     ttt_steps: int = 3  # EAGLE: drafting steps simulated per window
     draft_vocab_size: int = 16384  # EAGLE-3, Medusa, draft: the most frequent tokens scored (the vocabulary if more)
     medusa_heads: int = 4
+    vocab_rows_only: bool = False  # Medusa: write only the draft vocabulary's lm_head rows (the compact form)
     draft_layers: int = 2  # draft: decoder layers kept
     seed: int = 0
     save_every: int = 100
@@ -309,7 +310,7 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
                 head[-1].weight[module.train_vocab] = rows.to(head[-1].weight.dtype)
         half = module.to(torch.bfloat16)
         half.restrict_vocab(module.train_vocab if module.train_vocab.numel() < module.vocab_size else None)
-        save_medusa(half, tmp)
+        save_medusa(half, tmp, vocab_rows_only=settings.vocab_rows_only)
         half.restrict_vocab(None)
     else:
         half = module.to(torch.bfloat16)

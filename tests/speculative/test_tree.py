@@ -278,6 +278,27 @@ def test_medusa_round_trip(tmp_path, safetensors, layers):
     assert int(tree.tokens[1]) == cands[0][0]
 
 
+def test_compact_medusa_scores_like_the_full_heads_restricted_to_the_draft_vocabulary(tmp_path):
+    torch.manual_seed(1)
+    full = MedusaHeads(16, 40, num_heads=2, num_layers=1)
+    full.restrict_vocab(torch.tensor([31, 2, 17, 5, 9]))
+    save_medusa(full, tmp_path / "full")
+    save_medusa(full, tmp_path / "compact", vocab_rows_only=True)
+    compact = load_medusa(tmp_path / "compact", 16, 40)
+    assert compact.rows_only and compact.heads[0][-1].weight.shape == (5, 16)
+    assert json.loads((tmp_path / "compact" / "config.json").read_text())["vocab_size"] == 40
+    hidden = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compact(hidden), load_medusa(tmp_path / "full", 16, 40)(hidden), rtol=0, atol=0)
+    assert medusa_candidates(compact, hidden[0], 3) == medusa_candidates(full, hidden[0], 3)
+    assert all(token in (2, 5, 9, 17, 31) for ranked in medusa_candidates(compact, hidden[0], 5) for token in ranked)
+    bf16 = load_medusa(tmp_path / "compact", 16, 40, dtype=torch.bfloat16)
+    assert bf16._subset_weights[0].dtype == torch.bfloat16
+    (tmp_path / "compact" / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
+    with pytest.raises(ValueError, match="5 rows, neither the vocabulary of 40 tokens nor a draft vocabulary"):
+        load_medusa(tmp_path / "compact", 16, 40)
+
+
 def test_medusa_mismatch_errors(tmp_path):
     save_medusa(MedusaHeads(16, 40, num_heads=2), tmp_path)
     with pytest.raises(ValueError, match="hidden size 16.*has 32"):
