@@ -190,4 +190,4 @@ async def get_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    return Response(status_code=200 if ctx.ready else 503)
+    return Response(status_code=200 if ctx.is_ready() else 503)
