@@ -19,6 +19,7 @@ request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -32,6 +33,7 @@ from specserve.models.transformer import CausalLM, ForwardOutput
 from specserve.parallel.group import Group, TensorParallelError
 
 HEARTBEAT_SECONDS = 2.0
+log = logging.getLogger("specserve.parallel")
 
 
 # ---- the commands rank 0 broadcasts ------------------------------------------------------------------------------
@@ -289,7 +291,8 @@ class TensorParallelModel:
             dead = [f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
                     for rank, p in enumerate(self.processes, start=1) if p.exitcode is not None]
             cause = "; ".join(dead) if dead else f"{type(exc).__name__}: {exc}"
-            self.failure = (f"tensor-parallel model failed ({cause}); the model is not ready: restart the server")
+            self.failure = f"tensor-parallel model failed: {cause}; restart the server"
+            log.error("%s", self.failure)
             self._stop.set()
             self._stop_processes()
             self.group.close()

@@ -142,7 +142,9 @@ def test_a_killed_rank_makes_the_model_not_ready(gemma_kv1, tmp_path):
         assert http.get("/v2/models/tensorrt_llm/ready").status_code == 400
         assert http.get("/health").status_code == 503
         refused = http.post("/v2/models/tensorrt_llm/generate", json=body)
-        assert refused.status_code == 503 and "tensor-parallel model failed" in refused.json()["error"]
+        assert refused.status_code == 503 and "tensor-parallel model failed: rank 1" in refused.json()["error"]
+        completion = http.post("/v1/completions", json={"model": "tensorrt_llm", "prompt": "Hi", "max_tokens": 4})
+        assert completion.status_code == 503 and "restart the server" in completion.json()["error"]["message"]
         index = {m["name"]: m for m in http.post("/v2/repository/index", json={}).json()}
         assert index["tensorrt_llm"]["state"] == "UNAVAILABLE"
         assert http.get("/v2/health/live").status_code == 200  # the front end itself lives on
