@@ -39,10 +39,10 @@ def load_tensor_parallel(source: str, dtype: str | None, quantization: str | Non
     spec = ArchSpec.from_hf_config(load_hf_config(model_source.directory))
     check_shardable(spec, world, quantization != "none")
     rendezvous = Rendezvous.from_env()
-    processes = []
+    processes, threads_before = [], torch.get_num_threads()
     if rendezvous is None:
         rendezvous = Rendezvous.local(world)
-        threads = max(1, (os.cpu_count() or 1) // world)
+        threads = max(1, (os.cpu_count() or 1) // world)  # the ranks share this host's cores
         processes = spawn_ranks(rendezvous, threads, worker)
         torch.set_num_threads(threads)
     else:
@@ -50,12 +50,15 @@ def load_tensor_parallel(source: str, dtype: str | None, quantization: str | Non
     group = None
     try:
         group = connect(rendezvous, 0, partial(check_alive, processes, "starting"))
-        return _load_rank0(group, source, torch_dtype, quantization, processes)
+        target = _load_rank0(group, source, torch_dtype, quantization, processes)
     except BaseException:
         stop_processes(processes)
         if group is not None:
             group.close()
+        torch.set_num_threads(threads_before)
         raise
+    target.model.threads_before = threads_before
+    return target
 
 
 def check_launcher(rendezvous: Rendezvous, world: int) -> None:

@@ -164,6 +164,7 @@ class TensorParallelModel:
         self.processes = processes or []  # the ranks this process started (single host)
         self.failure: str | None = None
         self.closed = False
+        self.threads_before: int | None = None  # this process's torch threads before the ranks split the cores
         self._lock = threading.Lock()  # one command, with all its collectives, at a time
         self._ops: deque = deque()  # cache changes not yet sent
         self._ids = iter(range(1, 1 << 62))
@@ -296,7 +297,12 @@ class TensorParallelModel:
             self._stop.set()
             self._stop_processes()
             self.group.close()
+            self._restore_threads()
         return TensorParallelError(self.failure)
+
+    def _restore_threads(self) -> None:
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
 
     def _stop_processes(self, grace: float = 0.0) -> None:
         for process in self.processes:
@@ -322,3 +328,4 @@ class TensorParallelModel:
                     pass
                 self._stop_processes(grace=10.0)
                 self.group.close()
+                self._restore_threads()
