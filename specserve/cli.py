@@ -68,6 +68,9 @@ METHOD_HELP = f"{registry.method_help()}; default: the model.yaml's, else {regis
 QUANT_HELP = ("Weight storage: gguf (a GGUF's own quantized blocks; the default for GGUF models), none (dequantized "
               "to --dtype), int8 or int4 (weight-only, per block of 32, any checkpoint).")
 DRAFT_HELP = registry.model_help()
+BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
+                      "(with llama-cpp-python installed: pip install 'specserve\\[llamacpp]'); "
+                      f"{registry.combination_hint()}.")
 TP_HELP = ("Shard the model over N ranks (tensor parallelism; the model.yaml's tensor_parallel_size otherwise). "
            "specserve starts the ranks on this host; under torchrun, every host runs the same command and the "
            "default is torchrun's WORLD_SIZE (docs/tensor-parallel.md).")
@@ -85,9 +88,6 @@ def worker_rank_or_none() -> None:
         fail(str(exc))
     if rank:
         raise typer.Exit(run_worker(Rendezvous.from_env(), rank))
-BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
-                      "(with llama-cpp-python installed: pip install 'specserve\\[llamacpp]'); "
-                      f"{registry.combination_hint()}.")
 
 
 @app.command()
