@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from specserve.config import ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml
+from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml,
+                              resolve_tensor_parallel_size)
 from specserve.engine.engine import RequestError
 from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
@@ -70,6 +71,23 @@ DRAFT_HELP = registry.model_help()
 BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
                       "(with llama-cpp-python installed: pip install 'specserve\\[llamacpp]'); "
                       f"{registry.combination_hint()}.")
+TP_HELP = ("Shard the model over N ranks (tensor parallelism; the model.yaml's tensor_parallel_size otherwise). "
+           "specserve starts the ranks on this host; under torchrun, every host runs the same command and the "
+           "default is torchrun's WORLD_SIZE (docs/tensor-parallel.md).")
+
+
+def worker_rank_or_none() -> None:
+    """Under torchrun, a rank other than 0 serves no requests: it joins rank 0 and runs its shard of the model
+    until rank 0 exits (same command line on every host)."""
+    from specserve.parallel.group import Rendezvous, TensorParallelError, env_rank
+    from specserve.parallel.worker import run_worker
+
+    try:
+        rank = env_rank()
+    except TensorParallelError as exc:
+        fail(str(exc))
+    if rank:
+        raise typer.Exit(run_worker(Rendezvous.from_env(), rank))
 
 
 @app.command()
@@ -90,12 +108,15 @@ def generate(
     ignore_eos: bool = typer.Option(False, help="Keep generating past end-of-sequence."),
     dtype: Optional[str] = typer.Option(None, help="auto, bfloat16 or float32."),
     quantization: Optional[str] = typer.Option(None, help=QUANT_HELP),
+    tp_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help=TP_HELP),
     json_output: bool = typer.Option(False, "--json", help='Print {"text": ..., "metrics": {...}}.'),
 ) -> None:
     """Generate text for one prompt."""
+    worker_rank_or_none()
     try:
         config = deployment_config(model, method, draft_model, max_draft_len, prompt_lookup_min,
                                    prompt_lookup_max, dtype, quantization)
+        config.model.tensor_parallel_size = resolve_tensor_parallel_size(tp_size, config.model.tensor_parallel_size)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos)
         params.validate()
@@ -238,10 +259,13 @@ def serve(
         None, "--suffix-cache-scope", help="suffix method: model (default: requests draft from each other's "
                                            "responses) or request (a request's text is never drafted for another)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    tp_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help=TP_HELP),
 ) -> None:
     """Serve models: Triton v2 + generate and OpenAI /v1 over HTTP (8000), KServe v2 gRPC (8001), Prometheus
     metrics (8002)."""
     import logging
+
+    worker_rank_or_none()
 
     from specserve.server.app import SpecServer, build_repository
     from specserve.server.request import RequestLimits
@@ -263,7 +287,8 @@ def serve(
     flags = {"suffix_cache_scope": suffix_cache_scope} if suffix_cache_scope else {}
     try:
         template = read_template_file(chat_template) if chat_template else None
-        repository = build_repository(model_repository, model, max_queue_size, method_settings=flags)
+        repository = build_repository(model_repository, model, max_queue_size, method_settings=flags,
+                                      tensor_parallel_size=tp_size)
         names = list(load_model_names) if model_control_mode == "explicit" else None
         unknown = [n for n in names or [] if n not in repository.models]
         if unknown:

@@ -2,6 +2,7 @@
 reader (TRT-LLM LLM-API schema) and building an engine from it.
 
     model: gemma-3-270m            # a name, a checkpoint directory or a .gguf file
+    tensor_parallel_size: 2        # optional: the model sharded over 2 ranks (docs/tensor-parallel.md)
     speculative_config:            # absent: the base model, plain decoding
       decoding_type: NGram         # a method as TRT-LLM, vLLM or SGLang spell it (speculative.registry)
       max_draft_len: 4             # trees: the depth limit
@@ -16,6 +17,7 @@ it. The vLLM `model.json` reader is `config_vllm.py`; both only translate their 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from specserve.speculative import registry
 from specserve.speculative.base import MethodEntry, MethodOptions
 
 __all__ = ["ConfigError", "DeploymentConfig", "ModelConfig", "ServingConfig", "SpeculativeConfig", "build_engine",
-           "load_model_yaml"]
+           "load_model_yaml", "resolve_tensor_parallel_size"]
 
 
 @dataclass
@@ -36,8 +38,13 @@ class ModelConfig:
     dtype: str | None = None
     quantization: str | None = None  # none | gguf | int8 | int4; unset: a GGUF's own blocks, else none
     max_model_len: int | None = None
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (specserve/parallel)
 
     def load(self) -> LoadedModel:
+        if self.tensor_parallel_size > 1:
+            from specserve.parallel.launch import load_tensor_parallel
+
+            return load_tensor_parallel(self.source, self.dtype, self.quantization, self.tensor_parallel_size)
         return load_model(self.source, dtype=self.dtype, quantization=self.quantization)
 
 
@@ -99,6 +106,14 @@ DRAFT_LEN_KEYS = {"max_draft_len": 0, "depth": 1, "num_eagle_layers": 0}
 TRITON_KEYS = {"max_batch_size", "decoupled"}
 
 
+def resolve_tensor_parallel_size(given: int | None, configured: int = 1) -> int:
+    """The command line's tensor parallel size, else the config's, else (under torchrun) its WORLD_SIZE."""
+    if given is not None:
+        return int_at_least(given, "--tensor-parallel-size")
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return configured if configured > 1 or world <= 1 else world
+
+
 def load_model_yaml(path: Path) -> DeploymentConfig:
     try:
         data = yaml.safe_load(Path(path).read_text())
@@ -107,12 +122,13 @@ def load_model_yaml(path: Path) -> DeploymentConfig:
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError(f"{path} must be a mapping with a 'model' key")
     check_keys(data, TOP_LEVEL_KEYS, str(path))
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if data.get(key, 1) != 1:
-            raise ConfigError(f"{key}={data[key]!r} is not supported: specserve runs on one device")
+    if data.get("pipeline_parallel_size", 1) != 1:
+        raise ConfigError(f"pipeline_parallel_size={data['pipeline_parallel_size']!r} is not supported: use "
+                          "tensor_parallel_size")
     base = Path(path).parent
     model = ModelConfig(resolve_path(str(data["model"]), base), data.get("dtype"), data.get("quantization"),
-                        data.get("max_model_len"))
+                        data.get("max_model_len"),
+                        int_at_least(data.get("tensor_parallel_size", 1), "tensor_parallel_size"))
     triton = data.get("triton_config") or {}
     check_keys(triton, TRITON_KEYS, "triton_config")
     serving = ServingConfig(int_at_least(triton.get("max_batch_size", ServingConfig.max_batch_size),

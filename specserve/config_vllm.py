@@ -41,13 +41,15 @@ def load_model_json(path: Path) -> DeploymentConfig:
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError(f"{path} must be a JSON object with a 'model' key")
     check_keys(data, VLLM_KEYS, str(path))
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "speculative_draft_tensor_parallel_size"):
+    for key in ("pipeline_parallel_size", "speculative_draft_tensor_parallel_size"):
         if data.get(key, 1) != 1:
-            raise ConfigError(f"{key}={data[key]!r} is not supported: specserve runs on one device")
+            raise ConfigError(f"{key}={data[key]!r} is not supported: the drafter runs on rank 0, and only "
+                              "tensor_parallel_size shards the model")
     dtype = data.get("dtype")
     model = ModelConfig(resolve_path(str(data["model"]), Path(path).parent),
                         None if dtype in (None, "auto") else str(dtype), data.get("quantization"),
-                        data.get("max_model_len"))
+                        data.get("max_model_len"),
+                        int_at_least(data.get("tensor_parallel_size", 1), "tensor_parallel_size"))
     if model.max_model_len is not None:
         int_at_least(model.max_model_len, "max_model_len", 2)
     # the vLLM backend's auto-complete makes every model decoupled, with no batching of its own

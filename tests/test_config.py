@@ -36,6 +36,9 @@ triton_config:
     assert spec.model == str(tmp_path / "draft")
     base = load_model_yaml(write(tmp_path / "base.yaml", "model: gemma-3-270m\n"))
     assert base.speculative.method == "ar"
+    assert base.model.tensor_parallel_size == 1
+    sharded = load_model_yaml(write(tmp_path / "tp.yaml", "model: gemma-3-270m\ntensor_parallel_size: 2\n"))
+    assert sharded.model.tensor_parallel_size == 2
     ngram = load_model_yaml(write(tmp_path / "ngram.yaml", "model: m\nspeculative_config:\n"
                                   "  decoding_type: NGram\n  max_draft_len: 5\n  max_matching_ngram_size: 4\n"))
     ngram = ngram.speculative
@@ -51,7 +54,8 @@ triton_config:
     ("model: m\nspeculative_config:\n  decoding_type: NGram\n  typo_len: 3\n", "typo_len"),
     ("model: m\nspeculative_config:\n  decoding_type: Lookahead\n", "Lookahead"),
     ("model: m\nspeculative_config:\n  decoding_type: NGram\n  max_draft_len: 0\n", "max_draft_len"),
-    ("model: m\ntensor_parallel_size: 2\n", "tensor_parallel_size"),
+    ("model: m\ntensor_parallel_size: 0\n", "tensor_parallel_size"),
+    ("model: m\npipeline_parallel_size: 2\n", "pipeline_parallel_size"),
     ("model: m\nspeculative_config:\n  decoding_type: NGram\n  adaptive_draft_len: maybe\n", "adaptive_draft_len"),
     ("speculative_config: {}\n", "model"),
     ("model: [unclosed\n", "cannot read"),
@@ -122,7 +126,8 @@ def test_vllm_speculative_config(tmp_path):
      "mlp_speculator"),
     ({"model": "m", "speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}, "path"),
     ({"model": "m", "speculative_model": "d"}, "num_speculative_tokens"),
-    ({"model": "m", "tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"model": "m", "tensor_parallel_size": "two"}, "tensor_parallel_size"),
+    ({"model": "m", "pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
      "num_speculative_tokens"),
     ({"speculative_model": "d"}, "model"),

@@ -78,7 +78,8 @@ def target_verify_seconds(target: LoadedModel) -> StepCosts:
         return _VERIFY_COSTS[id(target.model)]
     key = f"{Path(target.path).resolve()}|{target.model.dtype}|{target.model.quantization}|" \
           f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}|{torch.__version__}|" \
-          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}|{code_version()}"
+          f"{target.model.kernels_usable}|{cpu_kernels.f32_linear_available()}|{code_version()}" \
+          f"|tp{getattr(target.model, 'tensor_parallel_size', 1)}"
     file = cache_root() / "verify_costs.json"
     try:
         table = json.loads(file.read_text()) if file.exists() else {}

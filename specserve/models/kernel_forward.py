@@ -12,6 +12,11 @@ cost more than the glue kernels themselves. Two loops run the plan: by default c
 every layer in one C++ call (the Python between ~160 kernel calls cost ~2.3 ms of a 17 ms step of the 270M default
 model); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
 the tests hold the C++ loop to, bit for bit.
+
+Under tensor parallelism (specserve/parallel) a layer's o and down projections give this rank's partial sums in
+fp32; the attention's and MLP's `reduce` hooks add the ranks' partials (an all-reduce) before the one rounding to
+bf16, so the sum is rounded once, as the unsharded layer rounds its dot products. The C++ loop has no place for
+the all-reduce, so a sharded model runs the Python loop.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ def linear_weights(layer) -> tuple[tuple | None, torch.Tensor | None, torch.Tens
     return None, weight, bias
 
 
-def row_invariant_linear(layer) -> Linear:
-    """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one."""
+def row_invariant_linear(layer, out_fp32: bool = False) -> Linear:
+    """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one; fp32
+    results with out_fp32."""
     args, weight, bias = linear_weights(layer)
     if args is not None:
-        return lambda x: packed_matmul(x, args, bias)
-    return lambda x: cpu_kernels.small_linear(x, weight, bias)
+        return lambda x: packed_matmul(x, args, bias, out_fp32)
+    return lambda x: cpu_kernels.small_linear(x, weight, bias, out_fp32)
 
 
 def stack_linear(layer):
@@ -70,7 +76,10 @@ class KernelLayer:
         self.o_linear, self.down_linear = attn.o_proj, mlp.down_proj
         self.qkv = [row_invariant_linear(linear) for linear in self.qkv_linears]
         self.gate_up = [row_invariant_linear(linear) for linear in self.gate_up_linears]
-        self.o, self.down = row_invariant_linear(attn.o_proj), row_invariant_linear(mlp.down_proj)
+        # tensor parallel: the ranks' fp32 partial sums of o and down, added across ranks (then rounded once)
+        self.reduce_attention, self.reduce_mlp = attn.reduce, mlp.reduce
+        self.o = row_invariant_linear(attn.o_proj, out_fp32=attn.reduce is not None)
+        self.down = row_invariant_linear(mlp.down_proj, out_fp32=mlp.reduce is not None)
         norms = {"q": getattr(attn, "q_norm", None), "k": getattr(attn, "k_norm", None), "next": next_norm,
                  "post_attention": layer.post_attention_layernorm,
                  "pre_feedforward": getattr(layer, "pre_feedforward_layernorm", None),
@@ -97,6 +106,8 @@ class KernelLayer:
         span = mask.shape[-1]
         attn = cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask, self.scale)
         attn = self.o(attn.transpose(1, 2).reshape(bsz, seq, -1))
+        if self.reduce_attention is not None:
+            attn = self.reduce_attention(attn).to(x.dtype)
         if gemma:  # sandwich norms: the sublayer's output is normed before the residual add
             x, normed = cpu_kernels.residual_norm(x, attn, norm["post_attention"], norm["pre_feedforward"], eps, gemma)
         else:
@@ -105,6 +116,8 @@ class KernelLayer:
         gate_up = [linear(normed) for linear in self.gate_up]
         mlp = self.down(cpu_kernels.gated_activation(gate_up[0], gate_up[1] if len(gate_up) > 1 else None,
                                                      self.gelu))
+        if self.reduce_mlp is not None:
+            mlp = self.reduce_mlp(mlp).to(x.dtype)
         return cpu_kernels.residual_norm(x, mlp, norm["post_feedforward"], norm["next"], eps, gemma)
 
     def stack_layer(self, kind: int):
@@ -127,6 +140,7 @@ class KernelPlan:
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
         self.layers = [KernelLayer(layer, next_norm) for layer, next_norm in zip(layers, norms)]
         self.layer_types = list(dict.fromkeys(layer.layer_type for layer in self.layers))
+        self.sharded = any(layer.reduce_attention is not None for layer in self.layers)  # needs the Python loop
         self._stack = None
 
     def current(self) -> bool:
@@ -145,7 +159,7 @@ class KernelPlan:
         """(the final norm of the last layer's output, {i: layer i's output for i in output_layers}) for the
         residual stream x [B, T, H], normed = the first layer's input norm of it; `rope` and `masks` map each
         layer type to its (cos, sin) and mask."""
-        loop = os.environ.get(LAYER_LOOP) or "cpp"
+        loop = "python" if self.sharded else os.environ.get(LAYER_LOOP) or "cpp"
         if loop == "cpp":
             return self._run_stack(x, normed, rope, masks, cache, slots, output_layers)
         if loop == "python":

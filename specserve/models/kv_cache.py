@@ -48,12 +48,16 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, batch: int, capacity: int) -> "KVCache":
+        if hasattr(model, "new_kv_cache"):  # a tensor-parallel target: a cache kept alike on every rank
+            return model.new_kv_cache(batch, capacity)
         spec = model.spec
         return cls(spec.num_layers, batch, spec.num_kv_heads, capacity, spec.head_dim, model.dtype)
 
     @classmethod
     def growable(cls, model, max_batch: int, max_capacity: int) -> "KVCache":
         """An empty cache that `fit` grows up to max_batch rows of max_capacity slots."""
+        if hasattr(model, "new_kv_cache"):
+            return model.new_kv_cache(0, 0, max_batch, max_capacity)
         spec = model.spec
         return cls(spec.num_layers, 0, spec.num_kv_heads, 0, spec.head_dim, model.dtype, max_batch, max_capacity)
 

@@ -247,6 +247,30 @@ class PackedWeight:
             start += tiles
         return fused
 
+    def output_slice(self, start: int, end: int, copy: bool = True) -> "PackedWeight":
+        """Outputs [start, end) as a weight of their own (tensor parallelism's column split, the lm_head's vocabulary
+        slice): whole tiles of TILE outputs, so `start` must be a multiple of TILE and `end` one too unless it is
+        the last output. `copy=False` keeps views of this weight's tensors."""
+        if start % TILE or (end % TILE and end != self.out_features) or not 0 <= start < end <= self.out_features:
+            raise QuantizationError(f"outputs [{start}, {end}) of a packed weight of {self.out_features} do not "
+                                    f"fall on its tiles of {TILE}")
+        first, last = start // TILE, -(-end // TILE)
+        part = lambda t: None if t is None else (t[first:last].clone() if copy else t[first:last])
+        return PackedWeight(*(part(t) for t in self.tensors), end - start, self.in_features, self.bits, self.group,
+                            self.zero, self.kind)
+
+    def input_slice(self, start: int, end: int) -> "PackedWeight":
+        """Inputs [start, end) as a weight of their own (tensor parallelism's row split of o_proj / down_proj).
+        Every format is packed with its own scales per block of BLOCK inputs (a K-quant's 256-weight super-block
+        is unpacked into them), so any block boundary is an exact split."""
+        if start % BLOCK or end % BLOCK or not 0 <= start < end <= self.in_features:
+            raise QuantizationError(f"inputs [{start}, {end}) of a packed weight do not fall on its blocks of "
+                                    f"{BLOCK} weights")
+        first, last = start // BLOCK, end // BLOCK
+        part = lambda t: None if t is None else t[:, first:last].contiguous()
+        return PackedWeight(*(part(t) for t in self.tensors), self.out_features, end - start, self.bits,
+                            self.group, self.zero, self.kind)
+
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """(qs, planes, scales, offsets): the kernel's arguments, in its order."""

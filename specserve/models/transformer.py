@@ -3,12 +3,17 @@
 Parameter names follow Hugging Face's checkpoints so a state dict loads as is. The forward takes new tokens at
 given positions, writes their keys/values into a static KV cache at given cache slots, and attends under an
 optional tree mask, so the same call serves prefill, plain decoding, chain verification and tree verification.
+
+Tensor parallelism (specserve/parallel) runs this same model on every rank with its shard of the weights: the
+attention's and MLP's `reduce` hooks sum the ranks' partial o_proj / down_proj outputs, and the lm_head is the
+rank's vocabulary slice (`lm_head_shard`) whose logits `gather_vocab` joins on rank 0.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -203,6 +208,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weights for the kernels
         self.qkv_quant: FusedQuantLinear | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums o_proj's partials
 
     def project(self, x: torch.Tensor):
         projections = [self.q_proj, self.k_proj, self.v_proj]
@@ -229,7 +235,8 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=spec.attn_scale,
                                              enable_gqa=spec.num_kv_heads != spec.num_heads)
         out = out.transpose(1, 2).reshape(bsz, seq, spec.num_heads * spec.head_dim)
-        return linear(out, self.o_proj)
+        out = linear(out, self.o_proj)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -240,6 +247,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weight for the kernels
         self.gate_up_quant: FusedQuantLinear | None = None
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums down_proj's partials
         self.gelu = spec.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
         if self.gelu:
             self.act = lambda t: F.gelu(t, approximate="tanh")
@@ -251,7 +259,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outputs = fused_or_parts(self.gate_up_quant, [self.gate_proj, self.up_proj], x)
         gate, up = outputs[0].chunk(2, dim=-1) if len(outputs) == 1 else outputs
-        return linear(self.act(gate) * up, self.down_proj)
+        out = linear(self.act(gate) * up, self.down_proj)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -308,6 +317,10 @@ class CausalLM(nn.Module):
         self._kernels_usable: bool | None = None
         self.vocab_subset: torch.Tensor | None = None  # a draft's vocabulary (see restrict_vocab)
         self._subset_weight: torch.Tensor | None = None
+        # tensor parallelism (specserve/parallel/shard.py): this rank's vocabulary slice of the lm_head, and the
+        # function joining the slices' logits (the full logits on rank 0, None on the other ranks)
+        self.lm_head_shard: nn.Module | None = None
+        self.gather_vocab: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
         """As a draft model only: compute logits for these tokens alone (the rest get -inf). With a large
@@ -327,6 +340,7 @@ class CausalLM(nn.Module):
         self.__dict__.pop("_kernel_layers", None)  # kernel_forward's plan refers to the unfused modules
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv = attn.qkv_quant = mlp.gate_up = mlp.gate_up_quant = None  # again after sharding
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
             if all(isinstance(m, QuantLinear) for m in qkv + gate_up):
                 attn.qkv_quant, mlp.gate_up_quant = FusedQuantLinear(qkv), FusedQuantLinear(gate_up)
@@ -336,6 +350,8 @@ class CausalLM(nn.Module):
 
     @property
     def lm_head_module(self) -> nn.Module:
+        if self.lm_head_shard is not None:
+            return self.lm_head_shard
         return self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
 
     @property
@@ -381,6 +397,8 @@ class CausalLM(nn.Module):
         cap = self.spec.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if self.gather_vocab is not None:
+            return self.gather_vocab(logits)
         if self.vocab_subset is not None:
             full = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
             full[..., self.vocab_subset] = logits

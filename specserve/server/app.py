@@ -24,7 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specserve.config import ConfigError, DeploymentConfig, ServingConfig, SpeculativeConfig, load_model_yaml
+from specserve.config import (ConfigError, DeploymentConfig, ServingConfig, SpeculativeConfig, load_model_yaml,
+                              resolve_tensor_parallel_size)
 from specserve.server import openai, triton
 from specserve.server.grpc import start_grpc_server
 from specserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -46,12 +47,16 @@ def default_config() -> DeploymentConfig:
 
 def build_repository(model_repository: str | Path | None = None, model: str | None = None,
                      max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE, engine_factory=None,
-                     method_settings: dict | None = None) -> ModelRepository:
+                     method_settings: dict | None = None, tensor_parallel_size: int | None = None) -> ModelRepository:
     """The models `specserve serve` serves: a Triton model repository, one model (a checkpoint, a .gguf, a
     model.yaml or a vLLM model.json), or the embedded default. `method_settings`: speculative_config keys from the
-    command line, for the models whose method reads them. Raises ConfigError."""
+    command line, for the models whose method reads them. `tensor_parallel_size`: the one model's, over its config
+    (under torchrun: WORLD_SIZE when neither sets it). Raises ConfigError."""
     if model_repository and model:
         raise ConfigError("give either --model-repository or --model, not both")
+    if model_repository and tensor_parallel_size is not None:
+        raise ConfigError("--tensor-parallel-size applies to --model; a repository's models set tensor_parallel_size "
+                          "in their model.yaml / model.json")
     if model_repository:
         return ModelRepository.from_directory(Path(model_repository), max_queue_size=max_queue_size,
                                               engine_factory=engine_factory, method_settings=method_settings)
@@ -67,6 +72,8 @@ def build_repository(model_repository: str | Path | None = None, model: str | No
     else:
         config = default_config()
         config.model.source = model
+    config.model.tensor_parallel_size = resolve_tensor_parallel_size(tensor_parallel_size,
+                                                                     config.model.tensor_parallel_size)
     sources = single_model_sources(config, kind=kind, name=name or default_name(config.model.source),
                                    max_queue_size=max_queue_size)
     return ModelRepository(sources, engine_factory=engine_factory, max_queue_size=max_queue_size,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from specserve.parallel.group import TensorParallelError
 from specserve.server.repository import ModelNotFoundError, ModelNotReadyError, RepositoryError
 from specserve.server.runner import QueueFullError, RequestCancelledError, RunnerClosedError, RunnerError
 
@@ -44,6 +45,7 @@ ERRORS: tuple[tuple[type[BaseException], int | None, str], ...] = (
     (RunnerError, 500, "BACKEND"),
     (ModelNotFoundError, 404, "OTHER"),
     (ModelNotReadyError, 503, "OTHER"),
+    (TensorParallelError, 503, "BACKEND"),  # a rank of a tensor-parallel model failed: the model is not ready
     (RepositoryError, 400, "OTHER"),  # a failed load or unload
     (UnsupportedError, 501, "OTHER"),
     (ValueError, 400, "OTHER"),  # the engine's RequestError (bad parameters, prompt too long)

@@ -162,6 +162,12 @@ class Deployment:
         self.runner = runner
         self.load_seconds = load_seconds
 
+    @property
+    def failure(self) -> str | None:
+        """Why the model can no longer serve (a tensor-parallel rank failed), or None."""
+        failure = getattr(getattr(self.engine, "model", None), "failure", None)
+        return failure if isinstance(failure, str) else None
+
 
 @dataclass
 class ServedModel:
@@ -185,8 +191,12 @@ class ServedModel:
         return self.source.kind
 
     @property
+    def failure(self) -> str | None:
+        return None if self.deployment is None else self.deployment.failure
+
+    @property
     def ready(self) -> bool:
-        return self.state == "READY" and self.deployment is not None
+        return self.state == "READY" and self.deployment is not None and self.failure is None
 
     @property
     def runner(self) -> Runner:
@@ -241,6 +251,8 @@ class ModelRepository:
         """The ready model for a request, or ModelNotFoundError (404) / ModelNotReadyError (503)."""
         with self._lock:
             model = self.models.get(name)
+        if model is not None and model.state == "READY" and model.failure is not None:
+            raise ModelNotReadyError(f"model '{name}' is not ready: {model.failure}")
         if version in (None, ""):
             if model is None or not model.ready:
                 raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
@@ -250,6 +262,11 @@ class ModelRepository:
         if model is not None and version in model.source.versions:
             raise ModelNotReadyError(f"Request for unknown model: '{name}' version {version} is not at ready state")
         raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+
+    def failures(self) -> dict[str, str]:
+        """{name: why} of the loaded models that can no longer serve (a tensor-parallel rank failed)."""
+        with self._lock:
+            return {m.name: m.failure for m in self.models.values() if m.state == "READY" and m.failure}
 
     def ready_models(self) -> list[ServedModel]:
         with self._lock:
@@ -266,6 +283,8 @@ class ModelRepository:
                     entry.update(version=model.version, state=model.state)
                     if model.reason:
                         entry["reason"] = model.reason
+                    if model.state == "READY" and model.failure:
+                        entry.update(state="UNAVAILABLE", reason=model.failure)
                 out.append(entry)
         return out
 
@@ -330,7 +349,7 @@ class ModelRepository:
     def _build(self, source: ModelSource) -> Deployment:
         start = time.perf_counter()
         config = source.config
-        key = (config.model.source, config.model.dtype, config.model.quantization)
+        key = target_key(config)
         with self._lock:
             target = self._targets.get(key)
             step_lock = self._step_locks.setdefault(key, threading.Lock())
@@ -360,12 +379,9 @@ class ModelRepository:
         with self._lock:
             if any(m.deployment is deployment for m in self.models.values()):
                 return
-            live = {(m.deployment.config.model.source, m.deployment.config.model.dtype,
-                     m.deployment.config.model.quantization) for m in self.models.values() if m.deployment is not None}
-            for key in list(self._targets):
-                if key not in live:
-                    del self._targets[key]
-        threading.Thread(target=deployment.runner.close, name="unload", daemon=True).start()
+            live = {target_key(m.deployment.config) for m in self.models.values() if m.deployment is not None}
+            released = [self._targets.pop(key) for key in list(self._targets) if key not in live]
+        threading.Thread(target=_close, args=(deployment, released), name="unload", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
@@ -374,3 +390,26 @@ class ModelRepository:
                 model.deployment, model.state = None, "UNAVAILABLE"
         for deployment in deployments.values():
             deployment.runner.close(cancel_running=True, timeout=5.0)
+        with self._lock:
+            targets, self._targets = list(self._targets.values()), {}
+        for target in targets:
+            close_target(target)
+
+
+def target_key(config: DeploymentConfig) -> tuple:
+    """Deployments whose configs have the same key share one loaded target."""
+    model = config.model
+    return (model.source, model.dtype, model.quantization, model.tensor_parallel_size)
+
+
+def close_target(target) -> None:
+    """Stop what a target runs besides this process (a tensor-parallel model's other ranks)."""
+    close = getattr(getattr(target, "model", None), "close", None)
+    if callable(close):
+        close()
+
+
+def _close(deployment: Deployment, targets: list) -> None:
+    deployment.runner.close()
+    for target in targets:
+        close_target(target)

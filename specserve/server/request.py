@@ -72,6 +72,10 @@ class ServerContext:
     chat_template: str | None = None  # --chat-template: overrides every served model's own
     inflight: dict[str, set[RequestHandle]] = field(default_factory=lambda: defaultdict(set))
 
+    def is_ready(self) -> bool:
+        """The server's readiness: warm, and no loaded model failed since (a tensor-parallel rank lost)."""
+        return self.ready and not self.repository.failures()
+
     async def submit(self, model: ServedModel, prompt: str | list[int], params: SamplingParams,
                      request_id: str = "") -> RequestHandle:
         """Queue a request on the model's runner, counted in the metrics and, with an id, cancellable by it.

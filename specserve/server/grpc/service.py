@@ -72,7 +72,7 @@ class InferenceService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context):
-        return service_pb2.ServerReadyResponse(ready=self.ctx.ready)
+        return service_pb2.ServerReadyResponse(ready=self.ctx.is_ready())
 
     async def ModelReady(self, request, context):
         try:

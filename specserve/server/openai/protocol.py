@@ -14,7 +14,7 @@ from specserve.engine.engine import RequestError
 from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
 from specserve.server.guides import openai_guide
 from specserve.server.http import json_response, sse
-from specserve.server.repository import RepositoryError, ServedModel
+from specserve.server.repository import ModelNotReadyError, RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
 from specserve.speculative.grammar import Guide
@@ -334,6 +334,8 @@ def find_model(ctx: ServerContext, body: dict) -> tuple[ServedModel, str]:
         raise InputError("'model' must be a string", param="model")
     try:
         return ctx.repository.get(name), name
+    except ModelNotReadyError as exc:  # loaded, but it can no longer serve (a tensor-parallel rank failed)
+        raise InputError(str(exc), param="model", status=503) from None
     except RepositoryError:
         raise InputError(f"The model `{name}` does not exist.", param="model", status=404) from None
 

@@ -18,7 +18,7 @@ from specserve.server.openai.logprobs import TokenText, chat_logprobs, completio
 from specserve.server.openai.protocol import (CommonFields, build_params, check_unsupported, choice, chunk,
                                               chunk_object, completion_body, error_json, error_response,
                                               exception_body, find_model, parse_common, read_prompt, usage)
-from specserve.server.repository import RepositoryError
+from specserve.server.repository import ModelNotReadyError, RepositoryError
 from specserve.server.request import ServerContext, first_event
 from specserve.server.runner import RequestHandle, off_loop
 from specserve.speculative.sampling import SEEDS, SamplingParams
@@ -183,6 +183,8 @@ async def get_model(request: Request) -> Response:
     name = request.path_params["model"]
     try:
         ctx.repository.get(name)
+    except ModelNotReadyError as exc:
+        return error_json(str(exc), 503, "model")
     except RepositoryError:
         return error_json(f"The model `{name}` does not exist.", 404, "model")
     return json_response({"id": name, "object": "model", "created": int(time.time()), "owned_by": "specserve"})
@@ -190,4 +192,4 @@ async def get_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    return Response(status_code=200 if ctx.ready else 503)
+    return Response(status_code=200 if ctx.is_ready() else 503)

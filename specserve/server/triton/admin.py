@@ -29,7 +29,7 @@ async def live(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    return Response(status_code=200 if ctx.ready else 400)
+    return Response(status_code=200 if ctx.is_ready() else 400)
 
 
 async def server_metadata(request: Request) -> Response:
