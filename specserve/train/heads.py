@@ -314,7 +314,7 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
         half.restrict_vocab(None)
     else:
         half = module.to(torch.bfloat16)
-        save_eagle(half, tmp)
+        save_eagle(half, tmp, safetensors=True)
     for file in tmp.iterdir():
         os.replace(file, out_dir / file.name)
     tmp.rmdir()

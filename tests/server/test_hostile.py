@@ -727,6 +727,15 @@ def test_infer_shape_not_matching_data_is_refused(client, tensor):
     assert case.must_refuse and check(client, case).status_code == 400
 
 
+def test_infer_input_given_twice_is_refused(client):
+    """Which of two same-named inputs counts would be a guess: a temperature of inf followed by 0 was served."""
+    inputs = [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]},
+              {"name": "temperature", "datatype": "FP64", "shape": [1], "data": [float("inf")]},
+              {"name": "temperature", "datatype": "FP64", "shape": [1], "data": [0]}]
+    response = check(client, Case("triton", "/v2/models/tensorrt_llm/infer", to_json({"inputs": inputs})))
+    assert response.status_code == 400 and "input 'temperature' is given more than once" in response.json()["error"]
+
+
 @pytest.mark.parametrize("body", [
     {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"], "parameters": 5}]},
     {"inputs": [{"name": "text_output", "parameters": 5}]},

@@ -97,6 +97,8 @@ def _input_values(tensors: list, binary: bytes) -> dict:
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise InputError("each input must be an object with a 'name'")
         name, datatype = tensor["name"], str(tensor.get("datatype", "BYTES")).upper()
+        if name in values:  # which one counts would be a guess (gRPC refuses it too)
+            raise InputError(f"input '{name}' is given more than once")
         size = tensor_parameters(tensor, "input").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or size < 0 or offset + size > len(binary):
