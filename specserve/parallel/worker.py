@@ -9,6 +9,7 @@ that skipped a step would leave the ranks out of step, and rank 0 sees the close
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import sys
 from functools import partial
@@ -105,7 +106,12 @@ def _failed(rank: int, exc: BaseException) -> int:
 def spawned_worker(rendezvous: Rendezvous, rank: int, threads: int) -> None:
     """The entry of a rank started by rank 0 on this host (torch.multiprocessing): it dies with rank 0."""
     _die_with_parent()
-    sys.exit(run_worker(rendezvous, rank, threads))
+    code = run_worker(rendezvous, rank, threads)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip the interpreter's teardown: gloo's threads can still be joinable when their C++ objects are destroyed
+    # there, and std::terminate then turned a clean exit into SIGABRT (seen with four ranks on two cores)
+    os._exit(code)
 
 
 def _die_with_parent() -> None:
