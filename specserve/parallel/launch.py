@@ -24,7 +24,7 @@ from specserve.models.loader import (LoadedModel, load_hf_config, load_model, pa
                                      resolve_quantization)
 from specserve.models.transformer import ArchSpec
 from specserve.parallel.group import Group, Rendezvous, TensorParallelError, build_info, connect, seconds_from_env
-from specserve.parallel.model import TensorParallelModel
+from specserve.parallel.model import TensorParallelModel, stop_processes
 from specserve.parallel.shard import ShardPlan, check_shardable, shard_model
 from specserve.parallel.worker import DEFAULT_LOAD_TIMEOUT, LOAD_TIMEOUT_ENV, spawned_worker, warm_kernels
 
@@ -79,16 +79,6 @@ def spawn_ranks(rendezvous: Rendezvous, threads: int, worker) -> list:
         process.start()
         processes.append(process)
     return processes
-
-
-def stop_processes(processes: list) -> None:
-    for process in processes:
-        if process.exitcode is None:
-            process.terminate()
-        process.join(5)
-        if process.exitcode is None:
-            process.kill()
-            process.join(5)
 
 
 def _load_rank0(group: Group, source: str, dtype: torch.dtype, quantization: str, processes: list) -> LoadedModel:

@@ -305,14 +305,7 @@ class TensorParallelModel:
             torch.set_num_threads(self.threads_before)
 
     def _stop_processes(self, grace: float = 0.0) -> None:
-        for process in self.processes:
-            process.join(grace)
-            if process.exitcode is None:
-                process.terminate()
-                process.join(5)
-            if process.exitcode is None:
-                process.kill()
-                process.join(5)
+        stop_processes(self.processes, grace)
 
     def close(self) -> None:
         """Tell the other ranks to exit and leave the group (idempotent)."""
@@ -329,3 +322,15 @@ class TensorParallelModel:
                 self._stop_processes(grace=10.0)
                 self.group.close()
                 self._restore_threads()
+
+
+def stop_processes(processes: list, grace: float = 0.0) -> None:
+    """End the ranks this process started: `grace` seconds to exit by themselves, then SIGTERM, then SIGKILL."""
+    for process in processes:
+        process.join(grace)
+        if process.exitcode is None:
+            process.terminate()
+            process.join(5)
+        if process.exitcode is None:
+            process.kill()
+            process.join(5)
