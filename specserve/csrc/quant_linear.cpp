@@ -46,6 +46,9 @@ struct Packed {
   const float* offsets;  // nullptr: no offsets
   int64_t tiles, kblocks, N;
   int bits, group, zero;
+  // the AVX-512 path's per-call activation terms for this weight's format (Lanes::for_format), else nullptr
+  const int32_t* zero_psum = nullptr;
+  const float* psum_f = nullptr;
   int64_t qs_stride() const { return bits == 8 ? 512 : 256; }  // bytes per (tile, kblock)
   int planes_count() const { return bits == 8 ? 0 : bits - 4; }
   int subblocks() const { return kBlock / group; }
@@ -56,6 +59,21 @@ struct Acts {  // quantized activation rows
   const float* dx;  // [M, K/32]
   const int32_t* psum16;  // [M, K/16]
   int64_t K;
+  const struct Lanes* lanes = nullptr;  // the same rows interleaved (AVX-512 path)
+};
+
+// The activation rows interleaved for the AVX-512 path, in groups of kMaxRows rows (the last group: the rest), row
+// i of a group of R at [.., i] with stride R: every term a row needs at a block sits at a fixed offset from one
+// pointer, so the kernel reads it as an embedded broadcast instead of a register per row. The values are those
+// of Acts, unchanged.
+struct Lanes {
+  std::vector<int32_t> four;  // per group: [K/32, 8 input groups, R]: 4 activation bytes
+  std::vector<float> dx;  // per group: [K/32, R]
+  // per (zero, sub-blocks) of the call's formats: zero * psum, per group [K/32, sub, R], and float(psum)
+  std::vector<std::pair<std::pair<int, int>, std::vector<int32_t>>> zero_psum;
+  std::vector<std::pair<int, std::vector<float>>> psum_f;
+
+  void for_format(const Acts& X, int64_t M, Packed& w);
 };
 
 // The block's activation sum: per 16 inputs (G = 16, sub == 2) or the two halves of its 32 (G = 32).
@@ -146,7 +164,11 @@ SPECSERVE_AVX512 inline void load_groups512(const Packed& W, int64_t at, __m512i
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
   constexpr int kGroups = 8 / SUB;
-  const int64_t psum_stride = X.K / 16;
+  // this row group's terms (Lanes: every group before it is full, and this one has MR rows)
+  const int32_t* four = X.lanes->four.data() + m0 * W.kblocks * 8;
+  const float* dx = X.lanes->dx.data() + m0 * W.kblocks;
+  const int32_t* zp = W.zero_psum + m0 * W.kblocks * SUB;
+  const float* pf = OFFS ? W.psum_f + m0 * W.kblocks * SUB : nullptr;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < W.kblocks; ++kb) {
@@ -154,25 +176,31 @@ SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, 
     __m512i w[8];
     load_groups512<BITS>(W, at, w);
     for (int sb = 0; sb < SUB; ++sb) {
-      __m512i isum[MR];
-      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      // a lone row or a few: two integer sums per row (even and odd groups), exact whatever the order, to halve
+      // the dependency chain; more rows overlap their chains already, and need the registers
+      constexpr int kChains = MR <= 4 ? 2 : 1;
+      __m512i part[kChains][MR];
+      for (int c = 0; c < kChains; ++c)
+        for (int i = 0; i < MR; ++i) part[c][i] = _mm512_setzero_si512();
       for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
         for (int i = 0; i < MR; ++i) {
-          int32_t four;
-          std::memcpy(&four, X.p + (m0 + i) * X.K + kb * kBlock + g * 4, 4);
-          isum[i] = _mm512_dpbusd_epi32(isum[i], w[g], _mm512_set1_epi32(four));
+          __m512i& sum = part[g % kChains][i];
+          sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(four[g * MR + i]));
         }
       const __m512 s = _mm512_loadu_ps(W.scales + (at * SUB + sb) * kTile);
       for (int i = 0; i < MR; ++i) {
-        const int64_t m = m0 + i;
-        const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
-        const int32_t psum = block_psum(ps, SUB, sb);
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[i], _mm512_set1_epi32(W.zero * psum))), s);
+        const __m512i isum = kChains == 2 ? _mm512_add_epi32(part[0][i], part[kChains - 1][i]) : part[0][i];
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_set1_epi32(zp[sb * MR + i]))), s);
         if constexpr (OFFS)
-          t = _mm512_fnmadd_ps(_mm512_loadu_ps(W.offsets + (at * SUB + sb) * kTile), _mm512_set1_ps(float(psum)), t);
-        acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
+          t = _mm512_fnmadd_ps(_mm512_loadu_ps(W.offsets + (at * SUB + sb) * kTile),
+                               _mm512_set1_ps(pf[sb * MR + i]), t);
+        acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[i]), acc[i]);
       }
     }
+    four += 8 * MR;
+    dx += MR;
+    zp += SUB * MR;
+    if constexpr (OFFS) pf += SUB * MR;
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * kTile, acc[i]);
 }
@@ -305,29 +333,151 @@ std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
   return {};  // a combination no GGUF type or quantizer makes: the scalar path still computes it
 }
 
-// p = round(x / dx) with dx = max|x| / 127 per block of 32; psum per 16. Row by row, in one fixed order.
+// p = round(x / dx) with dx = max|x| / 127 per block of 32; psum per 16. Row by row, in one fixed order. The
+// vector versions compute the same numbers: max is exact in any order (a NaN is skipped, as std::max skips it),
+// and the conversions round to nearest even, as std::nearbyint does in the default rounding mode.
+inline float load_float(const float* x) { return *x; }
+inline float load_float(const at::BFloat16* x) { return float(*x); }
+
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
+void quantize_block_scalar(const T* src, int8_t* p, float* dx, int32_t* psum16) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(load_float(src + j)));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 127.f / amax : 0.f;
+  *dx = d;
+  int32_t sums[2] = {0, 0};
+  for (int j = 0; j < kBlock; ++j) {
+    const int q = int(std::nearbyint(load_float(src + j) * inv));
+    p[j] = int8_t(q);
+    sums[j / 16] += q;
+  }
+  psum16[0] = sums[0];
+  psum16[1] = sums[1];
+}
+
+SPECSERVE_AVX512 inline __m512 load16_avx512(const float* x) { return _mm512_loadu_ps(x); }
+SPECSERVE_AVX512 inline __m512 load16_avx512(const at::BFloat16* x) {  // bf16 -> fp32 is exact: 16 bits up
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <typename T>
+SPECSERVE_AVX512 void quantize_block_avx512(const T* src, int8_t* p, float* dx, int32_t* psum16) {
+  const __m512 x[2] = {load16_avx512(src), load16_avx512(src + 16)};
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  __m512 amax16 = _mm512_setzero_ps();
+  for (const __m512& v : x) amax16 = _mm512_max_ps(_mm512_andnot_ps(sign, v), amax16);  // a NaN lane keeps amax16
+  const float amax = _mm512_reduce_max_ps(amax16);
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 127.f / amax : 0.f;
+  *dx = d;
+  for (int h = 0; h < 2; ++h) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(x[h], _mm512_set1_ps(inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * h), _mm512_cvtepi32_epi8(q));
+    psum16[h] = _mm512_reduce_add_epi32(q);
+  }
+}
+
+SPECSERVE_AVX2 inline __m256 load8_avx2(const float* x) { return _mm256_loadu_ps(x); }
+SPECSERVE_AVX2 inline __m256 load8_avx2(const at::BFloat16* x) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+SPECSERVE_AVX2 inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+template <typename T>
+SPECSERVE_AVX2 void quantize_block_avx2(const T* src, int8_t* p, float* dx, int32_t* psum16) {
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i) x[i] = load8_avx2(src + 8 * i);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (const __m256& v : x) amax8 = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax8);  // a NaN lane keeps amax8
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 127.f / amax : 0.f;
+  *dx = d;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(x[2 * h], _mm256_set1_ps(inv)));
+    const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(x[2 * h + 1], _mm256_set1_ps(inv)));
+    // each code's low byte, as int8_t(q) keeps it (a NaN's code too); packs interleave 128-bit lanes, which the
+    // permute undoes
+    const __m256i low = _mm256_set1_epi32(0xff);
+    const __m256i words = _mm256_packus_epi32(_mm256_and_si256(q0, low), _mm256_and_si256(q1, low));
+    const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 16 * h), _mm_shuffle_epi32(bytes, 0xd8));
+    psum16[h] = hsum8_epi32(_mm256_add_epi32(q0, q1));
+  }
+}
+
+template <typename T>
+void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
   specserve::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
+    for (int64_t m = begin; m < end; ++m)
       for (int64_t c = 0; c < K / kBlock; ++c) {
-        const T* src = x + m * K + c * kBlock;
-        float amax = 0.f;
-        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(float(src[j])));
-        const float d = amax / 127.f;
-        const float inv = d > 0.f ? 127.f / amax : 0.f;
-        dx[m * (K / kBlock) + c] = d;
-        int32_t sums[2] = {0, 0};
-        for (int j = 0; j < kBlock; ++j) {
-          const int q = int(std::nearbyint(float(src[j]) * inv));
-          p[m * K + c * kBlock + j] = int8_t(q);
-          sums[j / 16] += q;
-        }
-        psum16[m * (K / 16) + 2 * c] = sums[0];
-        psum16[m * (K / 16) + 2 * c + 1] = sums[1];
+        const int64_t at = m * K + c * kBlock, block = m * (K / kBlock) + c;
+        if (isa == Isa::avx512) quantize_block_avx512(x + at, p + at, dx + block, psum16 + 2 * block);
+        else if (isa == Isa::avx2) quantize_block_avx2(x + at, p + at, dx + block, psum16 + 2 * block);
+        else quantize_block_scalar(x + at, p + at, dx + block, psum16 + 2 * block);
       }
-    }
   });
+}
+
+// X's rows as the AVX-512 path reads them (Lanes).
+// Where row m's term j (of `per_block` per block) of block kb sits in a Lanes array.
+inline int64_t lane_index(int64_t M, int64_t kblocks, int64_t m, int64_t kb, int per_block, int j) {
+  const int64_t m0 = m - m % kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
+  return m0 * kblocks * per_block + ((kb * per_block) + j) * rows + (m - m0);
+}
+
+void interleave(const Acts& X, int64_t M, Lanes& L) {
+  const int64_t kblocks = X.K / kBlock;
+  L.four.resize(M * kblocks * 8);
+  L.dx.resize(M * kblocks);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      for (int g = 0; g < 8; ++g)
+        std::memcpy(&L.four[lane_index(M, kblocks, m, kb, 8, g)], X.p + m * X.K + kb * kBlock + g * 4, 4);
+      L.dx[lane_index(M, kblocks, m, kb, 1, 0)] = X.dx[m * kblocks + kb];
+    }
+}
+
+// Points w at the per-call terms of its format (zero * psum, and float(psum) where it has offsets), made once per
+// format and call: the same integers and floats the scalar path computes per block.
+void Lanes::for_format(const Acts& X, int64_t M, Packed& w) {
+  const int sub = w.subblocks();
+  const int64_t kblocks = X.K / kBlock;
+  auto psum_at = [&](int64_t m, int64_t kb, int sb) { return block_psum(X.psum16 + m * (X.K / 16) + kb * 2, sub, sb); };
+  auto slot_of = [&](int64_t m, int64_t kb, int sb) { return lane_index(M, kblocks, m, kb, sub, sb); };
+  const std::pair<int, int> key{w.zero, sub};
+  auto zp = std::find_if(zero_psum.begin(), zero_psum.end(), [&](const auto& e) { return e.first == key; });
+  if (zp == zero_psum.end()) {
+    std::vector<int32_t> terms(M * kblocks * sub);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t kb = 0; kb < kblocks; ++kb)
+        for (int sb = 0; sb < sub; ++sb) terms[slot_of(m, kb, sb)] = w.zero * psum_at(m, kb, sb);
+    zero_psum.emplace_back(key, std::move(terms));
+    zp = zero_psum.end() - 1;
+  }
+  w.zero_psum = zp->second.data();
+  if (!w.offsets) return;
+  auto pf = std::find_if(psum_f.begin(), psum_f.end(), [&](const auto& e) { return e.first == sub; });
+  if (pf == psum_f.end()) {
+    std::vector<float> terms(M * kblocks * sub);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t kb = 0; kb < kblocks; ++kb)
+        for (int sb = 0; sb < sub; ++sb) terms[slot_of(m, kb, sb)] = float(psum_at(m, kb, sb));
+    psum_f.emplace_back(sub, std::move(terms));
+    pf = psum_f.end() - 1;
+  }
+  w.psum_f = pf->second.data();
 }
 
 Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes, const at::Tensor& scales,
@@ -395,10 +545,16 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   std::vector<float> dx(M * (K / kBlock));
   std::vector<int32_t> psum16(M * (K / 16));
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, p.data(), dx.data(), psum16.data());
+    quantize_rows(isa, x.data_ptr<float>(), M, K, p.data(), dx.data(), psum16.data());
   else
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
-  const Acts X{p.data(), dx.data(), psum16.data(), K};
+    quantize_rows(isa, x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
+  Acts X{p.data(), dx.data(), psum16.data(), K};
+  Lanes lanes;
+  if (isa == Isa::avx512) {
+    interleave(X, M, lanes);
+    for (Packed& w : W) lanes.for_format(X, M, w);
+    X.lanes = &lanes;
+  }
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor y = at::empty({M, width}, x.options().dtype(out_type));

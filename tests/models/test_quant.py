@@ -85,6 +85,27 @@ def test_kernel_paths_agree_are_row_invariant_and_accurate(kind, monkeypatch):
     assert error < 0.02  # the int8 activation rounding, as llama.cpp's
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_path_quantizes_hard_activations_alike(dtype, monkeypatch):
+    """The vector paths quantize activations with their own instructions: halfway cases (round to even), zero and
+    tiny blocks, mixed magnitudes and a NaN must come out as the scalar path's std::nearbyint makes them."""
+    packed, _ = packed_weight("Q8_0", rows=32, cols=256)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)) * 3
+    x[0, :32] = torch.arange(32) - 15.5  # amax 15.5: halfway codes ... 126.5 / 15.5 * k ...
+    x[0, 32:64] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # amax 127: scale 1, exact halves
+    x[1, :32] = 0.0  # a zero block: scale 0
+    x[1, 32:64] = 1e-39  # denormal in fp32 (flushed), tiny in bf16
+    x[2, :32] *= 1e30
+    x[3, 21] = float("nan")  # skipped by the block's max, as std::max skips it
+    x = x.to(dtype)
+    outputs = {}
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        outputs[isa] = packed.matmul(x, out_fp32=True)
+    for isa, out in outputs.items():
+        torch.testing.assert_close(out, outputs["scalar"], rtol=0, atol=0, equal_nan=True, msg=isa)
+
+
 def test_kernel_bias_and_dtypes():
     packed, dense = packed_weight("Q4_K", rows=48, cols=256)
     bias = torch.randn(48)
