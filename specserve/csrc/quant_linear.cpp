@@ -419,7 +419,9 @@ SPECSERVE_AVX2 void quantize_block_avx2(const T* src, int8_t* p, float* dx, int3
 
 template <typename T>
 void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
-  specserve::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+  // a few rows take less time than waking the other threads: threads share rows only past ~1k blocks each
+  const int64_t grain = std::max<int64_t>(1, 1024 / (K / kBlock));
+  specserve::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t c = 0; c < K / kBlock; ++c) {
         const int64_t at = m * K + c * kBlock, block = m * (K / kBlock) + c;

@@ -320,20 +320,31 @@ class BatchEngine:
 
     def choose_draft_len(self, seqs: list[Sequence]) -> int:
         """The draft length (shared by the batch) with the most expected tokens per second of target time. A request
-        with its own cap (`num_speculative_tokens`) drafts at most that many: it counts so in the choice, and a
-        batch whose every request caps below the method's length chooses among the caps' lengths."""
+        with its own cap (`num_speculative_tokens`) drafts at most that many, and where drafting is free, at most
+        the draft it has now (its latest shadow draft): it counts so in the expected tokens. The forward pads every
+        row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts."""
         caps = [seq.draft_cap for seq in seqs]
         top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:
             return top
+        caps = [min(cap, self._draft_available(seq, top)) for seq, cap in zip(seqs, caps)]
         estimates = [self.acceptance.get(seq) or Acceptance() for seq in seqs]
 
         def throughput(k: int) -> float:
             drafted = [min(k, cap) for cap in caps]
             tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
-            return tokens / self.costs(sum(d + 1 for d in drafted))
+            return tokens / self.costs(len(seqs) * (max(drafted) + 1))
 
         return max(range(top + 1), key=throughput)
+
+    def _draft_available(self, seq: Sequence, top: int) -> int:
+        """How long a draft the request has now, where drafts are scored as shadows: its latest shadow was drafted
+        from where it stands (a deterministic proposer drafts the same again); none there: nothing to draft.
+        Otherwise (or before its first shadow) `top`."""
+        if not self._learns_from_shadows or seq not in self.shadows or seq.grammar is not None:
+            return top
+        here = [shadow for shadow in self.shadows[seq] if shadow.start == len(seq.context)]
+        return here[-1].tree.max_depth if here else 0
 
 
 class StreamBatch:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.batch import Acceptance, BatchEngine, expected_tokens
+from specserve.engine.batch import Acceptance, BatchEngine, ShadowDraft, expected_tokens
 from specserve.engine.engine import Engine
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
+from specserve.speculative.tree import Chain
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox", "for i in range(10):",
            "def add(a, b):", "The lazy dog sleeps", "print(i * i)", "Once upon a time there was"]
@@ -68,6 +69,22 @@ def test_draft_length_shrinks_when_verification_gets_expensive(loaded):
     assert batch.choose_draft_len(seqs) == 0
     batch.costs.seconds = [1.0 for _ in batch.costs.sizes]  # flat cost: draft as much as allowed
     assert batch.choose_draft_len(seqs) == 4
+
+
+def test_requests_with_nothing_to_draft_do_not_make_the_batch_draft(loaded):
+    """Where drafting is free, a request's latest shadow draft is what it could draft now: a batch in which no
+    request has one does not pad its rows for drafts that will not come, even when verifying is free."""
+    batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
+    seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
+    while not all(seq in batch.shadows for seq in seqs):  # prefilled and decoded once: shadows scored
+        batch.step()
+    batch.costs.seconds = [1.0 for _ in batch.costs.sizes]
+    for seq in seqs:
+        batch.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]))]
+    assert batch.choose_draft_len(seqs) == 4
+    for seq in seqs:
+        batch.shadows[seq] = []  # the proposer found nothing where the requests stand
+    assert batch.choose_draft_len(seqs) == 0
 
 
 def test_expected_tokens():
