@@ -196,10 +196,12 @@ def bench(
     if costs:
         from specserve.bench.offline import roofline
         typer.echo("forward ms by tokens: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
-        floor = roofline(target.model, costs[1])
+        floor = roofline(target.model)
+        low, high = floor["ratio_range"]
         typer.echo(f"plain step {floor['plain_step_ms']:.1f} ms; its weights, {floor['weights_mb']:.0f} MB read "
-                   f"once at {floor['read_gb_per_s']:.1f} GB/s (measured): {floor['roofline_ms']:.1f} ms "
-                   f"(step / roofline {floor['step_over_roofline']:.2f}x)")
+                   f"once at {floor['read_gb_per_s']:.1f} GB/s (measured right after): {floor['roofline_ms']:.1f} ms "
+                   f"(step / roofline {floor['step_over_roofline']:.2f}x, the median of {floor['rounds']} pairs; "
+                   f"{low:.2f}x to {high:.2f}x)")
     trees = {}
     if tree_costs:
         from specserve.bench.offline import tree_step_costs

@@ -218,28 +218,40 @@ def streamed_weight_bytes(model) -> int:
     return sum(storages.values())  # are views of their fused weight: each storage counts once
 
 
-def memory_read_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """This machine's read bandwidth (GB/s): the best of a few streaming reads, on all threads, of a buffer far
-    larger than the caches (the quantized kernel's probe)."""
+def memory_read_seconds(buffer: torch.Tensor, repeats: int = 2) -> float:
+    """The best of a few streaming reads of `buffer` on all threads (the quantized kernel's probe)."""
     from specserve.models.quant import stream_read
 
-    buffer = torch.ones(megabytes * 2**20, dtype=torch.uint8)
-    stream_read(buffer)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         stream_read(buffer)
         best = min(best, time.perf_counter() - start)
-    return buffer.numel() / best / 1e9
+    return best
 
 
-def roofline(model, step_ms: float) -> dict:
-    """A plain step next to the time to read its weights once at the measured bandwidth."""
-    weight_bytes, bandwidth = streamed_weight_bytes(model), memory_read_gbs()
+def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
+    """A plain step next to the time to read its weights once at the measured read bandwidth. The two are timed
+    in pairs, one right after the other, and the median pair's ratio is reported: this VM's bandwidth drifts by
+    half between minutes (31 and 51 GB/s in two runs of one session), so a step and a probe timed apart gave
+    ratios of 1.0x and 1.65x for the same step."""
+    from specserve.engine.step_costs import StepCosts
+    from specserve.models.quant import stream_read
+
+    weight_bytes = streamed_weight_bytes(model)
+    buffer = torch.ones(megabytes * 2**20, dtype=torch.uint8)  # far larger than the caches
+    stream_read(buffer)
+    pairs = []
+    for _ in range(rounds):
+        step = StepCosts._measure(model, 1, 1)
+        gbs = buffer.numel() / memory_read_seconds(buffer) / 1e9
+        pairs.append((step * 1e3 / (weight_bytes / gbs / 1e6), step * 1e3, gbs))
+    ratio, step_ms, bandwidth = sorted(pairs)[len(pairs) // 2]
     floor_ms = weight_bytes / bandwidth / 1e6
     return {"weights_mb": round(weight_bytes / 1e6, 1), "read_gb_per_s": round(bandwidth, 2),
-            "roofline_ms": round(floor_ms, 4), "plain_step_ms": step_ms,
-            "step_over_roofline": round(step_ms / floor_ms, 3)}
+            "roofline_ms": round(floor_ms, 4), "plain_step_ms": round(step_ms, 3),
+            "step_over_roofline": round(ratio, 3), "rounds": rounds,
+            "ratio_range": [round(min(pairs)[0], 3), round(max(pairs)[0], 3)]}
 
 
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
