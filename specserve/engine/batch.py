@@ -138,7 +138,8 @@ class BatchEngine:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
-        self.costs = StepCosts(engine.model, self.max_batch_size) if adaptive_draft and engine.max_draft_len else None
+        self.costs = StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits) \
+            if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
 
     @property
@@ -322,7 +323,8 @@ class BatchEngine:
         """The draft length (shared by the batch) with the most expected tokens per second of target time. A request
         with its own cap (`num_speculative_tokens`) drafts at most that many, and where drafting is free, at most
         the draft it has now (its latest shadow draft): it counts so in the expected tokens. The forward pads every
-        row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts."""
+        row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts; only the
+        lm_head skips the padding."""
         caps = [seq.draft_cap for seq in seqs]
         top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:
@@ -333,7 +335,7 @@ class BatchEngine:
         def throughput(k: int) -> float:
             drafted = [min(k, cap) for cap in caps]
             tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
-            return tokens / self.costs(len(seqs) * (max(drafted) + 1))
+            return tokens / self.costs(len(seqs) * (max(drafted) + 1), sum(d + 1 for d in drafted))
 
         return max(range(top + 1), key=throughput)
 

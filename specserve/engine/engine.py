@@ -21,7 +21,7 @@ from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.models.transformer import MAX_KERNEL_TOKENS
+from specserve.models.transformer import MAX_KERNEL_TOKENS, CausalLM
 from specserve.speculative.base import Proposal, SpecMethod
 from specserve.speculative.grammar import (AfterForced, GrammarVocabulary, GuideError, TokenGrammar, sub_probs,
                                           subtree)
@@ -124,6 +124,9 @@ class Engine:
         self.eos_ids = target.eos_token_ids
         # structured outputs: the tokenizer as the grammar engine sees it, built on the first guided request
         self.grammar_vocab = GrammarVocabulary(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
+        # logits for the verified rows alone, not for those padded to the batch's longest draft (a sharded
+        # model's ranks compute the padded form together)
+        self.ragged_logits = isinstance(self.model, CausalLM)
 
     @property
     def lossless(self) -> bool:
@@ -286,7 +289,8 @@ class Engine:
                                   [seq.prompt_to_score(int(cache.lengths[row])) if seq else 0
                                    for row, seq in enumerate(seqs)])
         out = self.model(batch.tokens, batch.positions, cache, batch.slots, tree_mask=batch.tree_mask,
-                         logits_rows=batch.logits_rows, output_layers=self.hidden_layers)
+                         logits_rows=batch.logits_rows, output_layers=self.hidden_layers,
+                         **({"logits_counts": batch.wanted} if self.ragged_logits else {}))
         events = []
         for row, seq in enumerate(seqs):
             try:
@@ -301,8 +305,8 @@ class Engine:
             hidden = torch.cat([out.hidden_states[i][row, : batch.fed[row]] for i in self.hidden_layers], -1)
         scored, verified = batch.scored[row], batch.verified[row]
         if scored:
-            seq.score_prompt(out.logits[row, :scored], batch.starts[row])
-        nodes, event = seq.commit(out.logits[row, scored: scored + verified], hidden)
+            seq.score_prompt(out.row_logits(row, 0, scored), batch.starts[row])
+        nodes, event = seq.commit(out.row_logits(row, scored, scored + verified), hidden)
         base = batch.starts[row] + batch.root(row)  # the root's slot: the accepted nodes move right after it
         cache.compact(row, base + torch.tensor([0] + nodes), base)
         cache.lengths[row] = base + 1 + len(nodes)

@@ -19,22 +19,32 @@ from specserve.models.loader import LoadedModel, cache_root
 
 
 class StepCosts:
-    """Seconds per target forward by total tokens in it, measured once (interpolated in between)."""
+    """Seconds per target forward by total tokens in it, measured once (interpolated in between). With
+    `lm_head`, also the lm_head's share by rows of logits, so a forward whose padded rows get no logits
+    (CausalLM's logits_counts) is priced as it runs."""
 
     SIZES = (1, 2, 4, 8, 16, 32, 64)
 
-    def __init__(self, model, rows: int, seconds: list[float] | None = None):
+    def __init__(self, model, rows: int, seconds: list[float] | None = None, lm_head: bool = False):
         self.sizes = list(self.SIZES)
+        self.head: list[float] | None = None
         if seconds is not None:  # measured earlier (a cached table)
             self.seconds = list(seconds)
             return
         # rounds over all sizes, least disturbed reading per size: a burst of load hits one round, not one size
         rounds = [[self._measure(model, s, rows) for s in self.sizes] for _ in range(3)]
-        measured = [min(readings) for readings in zip(*rounds)]
+        self.seconds = self._monotone([min(readings) for readings in zip(*rounds)])
+        if lm_head:
+            rounds = [[self._measure_head(model, s) for s in self.sizes] for _ in range(3)]
+            head = self._monotone([min(readings) for readings in zip(*rounds)])
+            self.head = [min(h, total) for h, total in zip(head, self.seconds)]
+
+    @staticmethod
+    def _monotone(measured: list[float]) -> list[float]:
         # a smaller forward never costs more: a bigger reading is noise (another process took the CPU; noise only
         # adds time), so it is clipped to the sizes above, rather than raising them all (which made drafting
         # look far dearer than it is and stopped it at concurrency 1)
-        self.seconds = [min(measured[i:]) for i in range(len(measured))]
+        return [min(measured[i:]) for i in range(len(measured))]
 
     @staticmethod
     def _measure(model, total: int, rows: int) -> float:
@@ -44,18 +54,35 @@ class StepCosts:
         positions = torch.arange(width)[None].expand(batch, width)
         tokens = torch.zeros(batch, width, dtype=torch.long)
         model(tokens, positions, cache, positions)
+        return StepCosts._least_disturbed(lambda: model(tokens, positions, cache, positions))
+
+    @staticmethod
+    def _measure_head(model, rows: int) -> float:
+        hidden = torch.zeros(rows, model.spec.hidden_size, dtype=model.dtype)
+        model.logits(hidden, model.kernels_usable)
+        return StepCosts._least_disturbed(lambda: model.logits(hidden, model.kernels_usable))
+
+    @staticmethod
+    def _least_disturbed(run) -> float:
         timings = []
         for _ in range(3):
             start = time.perf_counter()
-            model(tokens, positions, cache, positions)
+            run()
             timings.append(time.perf_counter() - start)
-        return min(timings)  # the least disturbed run
+        return min(timings)
 
-    def __call__(self, total: int) -> float:
-        for (s0, c0), (s1, c1) in zip(zip(self.sizes, self.seconds), zip(self.sizes[1:], self.seconds[1:])):
+    def __call__(self, total: int, with_logits: int | None = None) -> float:
+        """A forward of `total` tokens, of which `with_logits` (default: all) get logits."""
+        seconds = self._interpolate(self.seconds, total)
+        if with_logits is None or self.head is None:
+            return seconds
+        return seconds - self._interpolate(self.head, total) + self._interpolate(self.head, with_logits)
+
+    def _interpolate(self, table: list[float], total: int) -> float:
+        for (s0, c0), (s1, c1) in zip(zip(self.sizes, table), zip(self.sizes[1:], table[1:])):
             if total <= s1:
                 return c0 + (c1 - c0) * max(total - s0, 0) / (s1 - s0)
-        return self.seconds[-1] * total / self.sizes[-1]
+        return table[-1] * total / self.sizes[-1]
 
 
 _VERIFY_COSTS: dict[int, StepCosts] = {}

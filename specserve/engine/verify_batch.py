@@ -53,6 +53,11 @@ class VerifyBatch:
         return cls(tokens, positions, slots, tree_mask, logits_rows, [len(f) for f in feeds], verified, scored,
                    starts)
 
+    @property
+    def wanted(self) -> list[int]:
+        """[B]: the leading entries of each row's logits_rows that are read (the rest pad it to R)."""
+        return [s + v for s, v in zip(self.scored, self.verified)]
+
     def root(self, row: int) -> int:
         """The root's column in `row`."""
         return self.fed[row] - self.verified[row]

@@ -289,8 +289,16 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V] float32
+    logits: torch.Tensor  # [B, T, V] float32; with logits_offsets: [N, V], the rows asked for, row after row
     hidden_states: dict[int, torch.Tensor]  # layer index -> [B, T, H]; -1 is the final-normed state
+    logits_offsets: list[int] | None = None  # [B]: where row b's logits start in the flat form
+
+    def row_logits(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Row `row`'s logits at its logits_rows entries [start, end): [end - start, V]."""
+        if self.logits_offsets is None:
+            return self.logits[row, start:end]
+        base = self.logits_offsets[row]
+        return self.logits[base + start: base + end]
 
 
 class Model(nn.Module):
@@ -427,13 +435,16 @@ class CausalLM(nn.Module):
         tree_mask: torch.Tensor | None = None,
         output_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
+        logits_counts: list[int] | None = None,
     ) -> ForwardOutput:
         """Run new `tokens` [B, T] at rope `positions` [B, T], stored at cache `slots` [B, T].
 
         Every token sees the committed cache prefix of its row (slots below `cache.lengths`) and, among the new
         tokens, what `tree_mask` [B, T, T] allows (causal when None). `output_layers` asks for the residual
         stream after those layers (-1: the final normed state). `logits_rows` [B, R] picks the rows that need
-        logits, since the lm_head dominates a step of a small model (R = 0: none at all).
+        logits, since the lm_head dominates a step of a small model (R = 0: none at all). With `logits_counts`
+        [B], only row b's first counts[b] entries of logits_rows get logits, in the flat form (ForwardOutput):
+        rows padded to the batch's longest draft cost no lm_head work.
         """
         masks = cache.attention_masks(positions, slots, tree_mask, self.spec.sliding_window)
         row_invariant = tokens.shape[1] <= MAX_KERNEL_TOKENS and self.kernels_usable
@@ -456,4 +467,10 @@ class CausalLM(nn.Module):
             return ForwardOutput(torch.empty(x.shape[0], 0, self.spec.vocab_size), hidden)
         if logits_rows is not None:
             x = torch.gather(x, 1, logits_rows[..., None].expand(-1, -1, x.shape[-1]))
+            if logits_counts is not None and sum(logits_counts) < logits_rows.numel():
+                width = logits_rows.shape[1]
+                wanted = torch.tensor([b * width + r for b, n in enumerate(logits_counts) for r in range(n)])
+                offsets = [sum(logits_counts[:b]) for b in range(len(logits_counts))]
+                flat = x.reshape(-1, x.shape[-1])[wanted]
+                return ForwardOutput(self.logits(flat, row_invariant), hidden, offsets)
         return ForwardOutput(self.logits(x, row_invariant), hidden)

@@ -142,6 +142,23 @@ def test_logits_are_bit_identical_for_1_to_64_rows(family, bf16_model):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_logits_of_the_wanted_rows_alone_equal_the_padded_ones(family, bf16_model):
+    """logits_counts skips the lm_head for rows padded to the longest draft: the rows it keeps are the padded
+    form's, bit for bit (a broken offset or row order would hand a request another's logits)."""
+    model = bf16_model(family).model
+    tokens = torch.randint(3, 384, (3, 6))
+    positions = torch.arange(6)[None].expand(3, 6)
+    logits_rows = torch.tensor([[5, 5, 5, 5], [2, 3, 4, 5], [4, 5, 5, 5]])
+    run = lambda **kw: model(tokens, positions, KVCache.for_model(model, 3, 6), positions, logits_rows=logits_rows,
+                             **kw)
+    padded, ragged = run(), run(logits_counts=[1, 4, 2])
+    assert ragged.logits.shape[0] == 7 and ragged.logits_offsets == [0, 1, 5]
+    for row, count in enumerate([1, 4, 2]):
+        assert torch.equal(ragged.row_logits(row, 0, count), padded.logits[row, :count])
+        assert torch.equal(padded.row_logits(row, 0, count), padded.logits[row, :count])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_kernel_forward_tracks_pytorch_ops(family, bf16_model):
     """The same tokens through the kernels (<= 64 per forward) and through PyTorch's ops (a longer forward)."""
     model = bf16_model(family).model
