@@ -432,13 +432,13 @@ void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* 
   });
 }
 
-// X's rows as the AVX-512 path reads them (Lanes).
 // Where row m's term j (of `per_block` per block) of block kb sits in a Lanes array.
 inline int64_t lane_index(int64_t M, int64_t kblocks, int64_t m, int64_t kb, int per_block, int j) {
   const int64_t m0 = m - m % kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
   return m0 * kblocks * per_block + ((kb * per_block) + j) * rows + (m - m0);
 }
 
+// X's rows as the AVX-512 path reads them (Lanes).
 void interleave(const Acts& X, int64_t M, Lanes& L) {
   const int64_t kblocks = X.K / kBlock;
   L.four.resize(M * kblocks * 8);
@@ -451,35 +451,31 @@ void interleave(const Acts& X, int64_t M, Lanes& L) {
     }
 }
 
-// Points w at the per-call terms of its format (zero * psum, and float(psum) where it has offsets), made once per
-// format and call: the same integers and floats the scalar path computes per block.
+// The terms `value(m, kb, sb)` of every row, block and sub-block in Lanes order, made once per `key` and call.
+template <typename Key, typename T, typename F>
+const T* lane_terms(std::vector<std::pair<Key, std::vector<T>>>& made, const Key& key, int64_t M, int64_t kblocks,
+                    int sub, F value) {
+  const auto found = std::find_if(made.begin(), made.end(), [&](const auto& e) { return e.first == key; });
+  if (found != made.end()) return found->second.data();
+  std::vector<T> terms(M * kblocks * sub);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < kblocks; ++kb)
+      for (int sb = 0; sb < sub; ++sb) terms[lane_index(M, kblocks, m, kb, sub, sb)] = value(m, kb, sb);
+  made.emplace_back(key, std::move(terms));
+  return made.back().second.data();
+}
+
+// Points w at the per-call terms of its format (zero * psum, and float(psum) where it has offsets): the same
+// integers and floats the scalar path computes per block.
 void Lanes::for_format(const Acts& X, int64_t M, Packed& w) {
   const int sub = w.subblocks();
   const int64_t kblocks = X.K / kBlock;
   auto psum_at = [&](int64_t m, int64_t kb, int sb) { return block_psum(X.psum16 + m * (X.K / 16) + kb * 2, sub, sb); };
-  auto slot_of = [&](int64_t m, int64_t kb, int sb) { return lane_index(M, kblocks, m, kb, sub, sb); };
-  const std::pair<int, int> key{w.zero, sub};
-  auto zp = std::find_if(zero_psum.begin(), zero_psum.end(), [&](const auto& e) { return e.first == key; });
-  if (zp == zero_psum.end()) {
-    std::vector<int32_t> terms(M * kblocks * sub);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t kb = 0; kb < kblocks; ++kb)
-        for (int sb = 0; sb < sub; ++sb) terms[slot_of(m, kb, sb)] = w.zero * psum_at(m, kb, sb);
-    zero_psum.emplace_back(key, std::move(terms));
-    zp = zero_psum.end() - 1;
-  }
-  w.zero_psum = zp->second.data();
-  if (!w.offsets) return;
-  auto pf = std::find_if(psum_f.begin(), psum_f.end(), [&](const auto& e) { return e.first == sub; });
-  if (pf == psum_f.end()) {
-    std::vector<float> terms(M * kblocks * sub);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t kb = 0; kb < kblocks; ++kb)
-        for (int sb = 0; sb < sub; ++sb) terms[slot_of(m, kb, sb)] = float(psum_at(m, kb, sb));
-    psum_f.emplace_back(sub, std::move(terms));
-    pf = psum_f.end() - 1;
-  }
-  w.psum_f = pf->second.data();
+  w.zero_psum = lane_terms(zero_psum, std::pair<int, int>{w.zero, sub}, M, kblocks, sub,
+                           [&](int64_t m, int64_t kb, int sb) { return int32_t(w.zero * psum_at(m, kb, sb)); });
+  if (w.offsets)
+    w.psum_f = lane_terms(psum_f, sub, M, kblocks, sub,
+                          [&](int64_t m, int64_t kb, int sb) { return float(psum_at(m, kb, sb)); });
 }
 
 Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes, const at::Tensor& scales,

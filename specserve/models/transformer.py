@@ -12,6 +12,7 @@ rank's vocabulary slice (`lm_head_shard`) whose logits `gather_vocab` joins on r
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -470,7 +471,7 @@ class CausalLM(nn.Module):
             if logits_counts is not None and sum(logits_counts) < logits_rows.numel():
                 width = logits_rows.shape[1]
                 wanted = torch.tensor([b * width + r for b, n in enumerate(logits_counts) for r in range(n)])
-                offsets = [sum(logits_counts[:b]) for b in range(len(logits_counts))]
+                offsets = [0, *itertools.accumulate(logits_counts)][:-1]
                 flat = x.reshape(-1, x.shape[-1])[wanted]
                 return ForwardOutput(self.logits(flat, row_invariant), hidden, offsets)
         return ForwardOutput(self.logits(x, row_invariant), hidden)
