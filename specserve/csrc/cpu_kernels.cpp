@@ -84,15 +84,16 @@ inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 
   for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load_bf16x16(src + i));
 }
 
-// out[i * NR + j] = dot(a[i], b[j]) over D (a multiple of 16): lane l takes fma(a[d], b[d]) for d = l, l + 16, ...
+// out[i * NR + j] = dot(a[i], b[j]) over D (a multiple of 16), b bf16 widened exactly in registers: lane l takes
+// fma(a[d], b[d]) for d = l, l + 16, ...
 template <int MR, int NR>
-void dot_f32(const float* const* a, const float* const* b, int64_t D, float* out) {
+void dot_f32(const float* const* a, const bf16* const* b, int64_t D, float* out) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
     __m512 bv[NR];
-    for (int j = 0; j < NR; ++j) bv[j] = _mm512_loadu_ps(b[j] + d);
+    for (int j = 0; j < NR; ++j) bv[j] = load_bf16x16(b[j] + d);
     for (int i = 0; i < MR; ++i) {
       const __m512 av = _mm512_loadu_ps(a[i] + d);
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
@@ -101,15 +102,16 @@ void dot_f32(const float* const* a, const float* const* b, int64_t D, float* out
   store_sums(acc, out);
 }
 
-// acc[i * stride + e] = fma(p[i][j], v[j][d + e], ...) for j = 0 .. n-1 in order, e < 16 V, rows i < MR.
+// acc[i * stride + e] = fma(p[i][j], v[j][d + e], ...) for j = 0 .. n-1 in order, e < 16 V, rows i < MR; v bf16,
+// widened exactly in registers.
 template <int MR, int V>
-void add_rows(float* acc, int64_t stride, const float* const* v, int64_t d, const float* const* p, int n) {
+void add_rows(float* acc, int64_t stride, const bf16* const* v, int64_t d, const float* const* p, int n) {
   __m512 sum[MR][V];
   for (int i = 0; i < MR; ++i)
     for (int e = 0; e < V; ++e) sum[i][e] = _mm512_loadu_ps(acc + i * stride + 16 * e);
   for (int j = 0; j < n; ++j) {
     __m512 x[V];
-    for (int e = 0; e < V; ++e) x[e] = _mm512_loadu_ps(v[j] + d + 16 * e);
+    for (int e = 0; e < V; ++e) x[e] = load_bf16x16(v[j] + d + 16 * e);
     for (int i = 0; i < MR; ++i) {
       const __m512 pj = _mm512_set1_ps(p[i][j]);
       for (int e = 0; e < V; ++e) sum[i][e] = _mm512_fmadd_ps(pj, x[e], sum[i][e]);
@@ -158,20 +160,21 @@ inline void widen(const bf16* src, float* dst, int64_t n) {
 }
 
 template <int MR, int NR>
-void dot_f32(const float* const* a, const float* const* b, int64_t D, float* out) {
+void dot_f32(const float* const* a, const bf16* const* b, int64_t D, float* out) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float lane[16] = {};
-      for (int64_t d = 0; d < D; ++d) lane[d % 16] = std::fma(a[i][d], b[j][d], lane[d % 16]);
+      for (int64_t d = 0; d < D; ++d) lane[d % 16] = std::fma(a[i][d], float(b[j][d]), lane[d % 16]);
       out[i * NR + j] = hsum16_lanes(lane);
     }
 }
 
 template <int MR, int V>
-void add_rows(float* acc, int64_t stride, const float* const* v, int64_t d, const float* const* p, int n) {
+void add_rows(float* acc, int64_t stride, const bf16* const* v, int64_t d, const float* const* p, int n) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < n; ++j)
-      for (int e = 0; e < 16 * V; ++e) acc[i * stride + e] = std::fma(p[i][j], v[j][d + e], acc[i * stride + e]);
+      for (int e = 0; e < 16 * V; ++e)
+        acc[i * stride + e] = std::fma(p[i][j], float(v[j][d + e]), acc[i * stride + e]);
 }
 
 inline float max_of(const float* p, int64_t n) {
@@ -449,14 +452,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 // ------------------------------------------------------------------------------------------ decode_attention
 //
 // Per query row (b, h, t) and the keys its mask row shows, in increasing order (masked keys are never read):
-//   score_s = scale * dot(q, k_s), dot_f32's recipe on exactly widened bf16 (so every product is exact);
+//   score_s = scale * dot(q, k_s), dot_f32's recipe on bf16 keys widened exactly (so every product is exact);
 //   p_s = exp(score_s - max score); sum = sum p_s by position in the visible list mod 16, then the fixed tree;
 //   out = bf16(acc / sum) with acc = fma(p_s, v_s, acc) over the visible keys in order.
-// The G = H / Hkv query heads of a kv head share their mask rows, so they are computed together against one
-// fp32 copy of each tile of keys (or values), read once per call.
+// The G = H / Hkv query heads of a kv head share their mask rows, so they are computed together: each key (or
+// value) is read from the cache once per block of kHeads heads and widened in registers. A call with little work
+// runs on the calling thread alone: waking the other threads for its phases costs more than the work.
 
 constexpr int64_t kKeyTile = 32;
 constexpr int kHeads = 4;  // query heads per register block
+constexpr int64_t kInlineWork = 1 << 19;  // query-key multiply-adds below which a call stays on one thread
 
 using Keys = std::vector<int32_t>;  // visible keys of one mask row (b, t), increasing
 
@@ -493,17 +498,7 @@ void for_key_tiles(const Keys* keys, int64_t T, int64_t s0, int64_t s1, F&& f) {
   }
 }
 
-// tile[s - t0][0:w] = fp32 src[s * stride : + w] for the keys of [t0, t1) that some mask row shows.
-void widen_visible(const bf16* src, int64_t stride, const Keys* keys, const std::vector<Span>& spans,
-                   int64_t t0, int64_t t1, int64_t w, float* tile) {
-  bool seen[kKeyTile] = {};
-  for (size_t t = 0; t < spans.size(); ++t)
-    for (size_t i = spans[t].i0; i < spans[t].i1; ++i) seen[keys[t][i] - t0] = true;
-  for (int64_t s = t0; s < t1; ++s)
-    if (seen[s - t0]) widen(src + s * stride, tile + (s - t0) * w, w);
-}
-
-using DotFn = void (*)(const float* const*, const float* const*, int64_t, float*);
+using DotFn = void (*)(const float* const*, const bf16* const*, int64_t, float*);
 template <int MR>
 constexpr std::array<DotFn, 2> dots_for_heads() {
   return {dot_f32<MR, 1>, dot_f32<MR, 4>};
@@ -511,15 +506,15 @@ constexpr std::array<DotFn, 2> dots_for_heads() {
 constexpr std::array<std::array<DotFn, 2>, kHeads> kDots = {dots_for_heads<1>(), dots_for_heads<2>(),
                                                             dots_for_heads<3>(), dots_for_heads<4>()};
 
-// Scores of mr (<= kHeads) heads sharing one mask row, for its keys in span sp of the fp32 key tile.
-void score_block(const Attn& a, Row* rows, int mr, Span sp, const float* tile, int64_t t0) {
+// Scores of mr (<= kHeads) heads sharing one mask row, for its keys in span sp; key s at k + s * stride.
+void score_block(const Attn& a, Row* rows, int mr, Span sp, const bf16* k_head, int64_t stride) {
   const Keys& keys = *rows[0].keys;
   const float* q[kHeads];
   for (int i = 0; i < mr; ++i) q[i] = rows[i].q;
   for (size_t i = sp.i0; i < sp.i1;) {
     const int nr = sp.i1 - i >= 4 ? 4 : 1;
-    const float* k[4];
-    for (int j = 0; j < nr; ++j) k[j] = tile + (keys[i + j] - t0) * a.D;
+    const bf16* k[4];
+    for (int j = 0; j < nr; ++j) k[j] = k_head + keys[i + j] * stride;
     float out[kHeads * 4];
     kDots[mr - 1][nr / 4](q, k, a.D, out);
     for (int r = 0; r < mr; ++r)
@@ -528,7 +523,7 @@ void score_block(const Attn& a, Row* rows, int mr, Span sp, const float* tile, i
   }
 }
 
-using AddFn = void (*)(float*, int64_t, const float* const*, int64_t, const float* const*, int);
+using AddFn = void (*)(float*, int64_t, const bf16* const*, int64_t, const float* const*, int);
 template <int MR>
 constexpr std::array<AddFn, 2> adds_for_heads() {
   return {add_rows<MR, 1>, add_rows<MR, 4>};
@@ -536,13 +531,14 @@ constexpr std::array<AddFn, 2> adds_for_heads() {
 constexpr std::array<std::array<AddFn, 2>, kHeads> kAdds = {adds_for_heads<1>(), adds_for_heads<2>(),
                                                             adds_for_heads<3>(), adds_for_heads<4>()};
 
-// acc (mr rows of width w) += p times the fp32 values tile, for mr heads sharing one mask row and its span sp.
-void add_block(Row* rows, int mr, Span sp, const float* tile, int64_t t0, int64_t w, float* acc) {
+// acc (mr rows of width w) += p times the values (value s at v_head + s * stride), for mr heads sharing one mask
+// row and its span sp.
+void add_block(Row* rows, int mr, Span sp, const bf16* v_head, int64_t stride, int64_t w, float* acc) {
   const Keys& keys = *rows[0].keys;
   const int n = int(sp.i1 - sp.i0);
   if (n == 0) return;
-  const float* v[kKeyTile];
-  for (int j = 0; j < n; ++j) v[j] = tile + (keys[sp.i0 + j] - t0) * w;
+  const bf16* v[kKeyTile];
+  for (int j = 0; j < n; ++j) v[j] = v_head + keys[sp.i0 + j] * stride;
   const float* p[kHeads];
   for (int i = 0; i < mr; ++i) p[i] = &rows[i].p[sp.i0];
   for (int64_t d = 0; d < w;) {
@@ -555,12 +551,10 @@ void add_block(Row* rows, int mr, Span sp, const float* tile, int64_t t0, int64_
 // Phase 1: scores of keys [s0, s1) for the rows of kv head `head`; keys holds its batch's T mask rows.
 void score_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64_t s0, int64_t s1) {
   const bf16* kb = a.k + head / a.Hkv * a.ks[0] + head % a.Hkv * a.ks[1];
-  std::vector<float> tile(kKeyTile * a.D);
-  for_key_tiles(keys, a.T, s0, s1, [&](int64_t t0, int64_t t1, const std::vector<Span>& spans) {
-    widen_visible(kb, a.ks[2], keys, spans, t0, t1, a.D, tile.data());
+  for_key_tiles(keys, a.T, s0, s1, [&](int64_t, int64_t, const std::vector<Span>& spans) {
     for (int64_t t = 0; t < a.T; ++t)
       for (int64_t g = 0; g < a.G; g += kHeads)
-        score_block(a, &rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], tile.data(), t0);
+        score_block(a, &rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], kb, a.ks[2]);
   });
 }
 
@@ -574,12 +568,11 @@ void softmax_numerators(Row& row) {
 void value_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64_t d0, int64_t d1) {
   const bf16* vb = a.v + head / a.Hkv * a.vs[0] + head % a.Hkv * a.vs[1] + d0;
   const int64_t w = d1 - d0, R = a.T * a.G;
-  std::vector<float> tile(kKeyTile * w), acc(R * w, 0.f);
-  for_key_tiles(keys, a.T, 0, a.S, [&](int64_t t0, int64_t t1, const std::vector<Span>& spans) {
-    widen_visible(vb, a.vs[2], keys, spans, t0, t1, w, tile.data());
+  std::vector<float> acc(R * w, 0.f);
+  for_key_tiles(keys, a.T, 0, a.S, [&](int64_t, int64_t, const std::vector<Span>& spans) {
     for (int64_t t = 0; t < a.T; ++t)
       for (int64_t g = 0; g < a.G; g += kHeads)
-        add_block(&rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], tile.data(), t0, w,
+        add_block(&rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], vb, a.vs[2], w,
                   &acc[(t * a.G + g) * w]);
   });
   for (int64_t r = 0; r < R; ++r)
@@ -625,7 +618,10 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   std::vector<Keys> keys(B * T);
   std::vector<float> q32(B * H * T * D);
   std::vector<Row> rows(heads * R);
-  specserve::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+  // each phase over n items: split over the threads, or all on this one for a small call (grain n)
+  const bool alone = B * H * T * S * D < kInlineWork || at::get_num_threads() == 1;
+  const auto phase = [alone](int64_t n, const auto& f) { specserve::parallel_for(0, n, alone ? std::max<int64_t>(n, 1) : 1, f); };
+  phase(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T;
       visible_keys(mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2), mask.stride(3), S, keys[bt]);
@@ -640,19 +636,19 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   });
   // Every thread gets work even for one kv head: phase 1 splits its keys, phase 3 its head dims. A split only
   // decides which thread computes an element, never how.
-  const int64_t split = (at::get_num_threads() + heads - 1) / std::max<int64_t>(heads, 1);
+  const int64_t split = alone ? 1 : (at::get_num_threads() + heads - 1) / std::max<int64_t>(heads, 1);
   const int64_t key_chunk = round_up((S + split - 1) / split, kKeyTile), key_chunks = (S + key_chunk - 1) / key_chunk;
   const int64_t dim_chunk = round_up((D + split - 1) / split, 32), dim_chunks = (D + dim_chunk - 1) / dim_chunk;
-  specserve::parallel_for(0, heads * key_chunks, 1, [&](int64_t begin, int64_t end) {
+  phase(heads * key_chunks, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t head = i / key_chunks, s0 = i % key_chunks * key_chunk;
       score_range(a, head, &rows[head * R], &keys[head / Hkv * T], s0, std::min(S, s0 + key_chunk));
     }
   });
-  specserve::parallel_for(0, heads * R, 1, [&](int64_t begin, int64_t end) {
+  phase(heads * R, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) softmax_numerators(rows[i]);
   });
-  specserve::parallel_for(0, heads * dim_chunks, 1, [&](int64_t begin, int64_t end) {
+  phase(heads * dim_chunks, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t head = i / dim_chunks, d0 = i % dim_chunks * dim_chunk;
       value_range(a, head, &rows[head * R], &keys[head / Hkv * T], d0, std::min(D, d0 + dim_chunk));
