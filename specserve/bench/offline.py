@@ -236,14 +236,13 @@ def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
     half between minutes (31 and 51 GB/s in two runs of one session), so a step and a probe timed apart gave
     ratios of 1.0x and 1.65x for the same step."""
     from specserve.engine.step_costs import StepCosts
-    from specserve.models.quant import stream_read
 
     weight_bytes = streamed_weight_bytes(model)
     buffer = torch.ones(megabytes * 2**20, dtype=torch.uint8)  # far larger than the caches
-    stream_read(buffer)
+    memory_read_seconds(buffer, repeats=1)  # first touch: page faults, not reads
     pairs = []
     for _ in range(rounds):
-        step = StepCosts._measure(model, 1, 1)
+        step = StepCosts.forward_seconds(model, 1, 1)
         gbs = buffer.numel() / memory_read_seconds(buffer) / 1e9
         pairs.append((step * 1e3 / (weight_bytes / gbs / 1e6), step * 1e3, gbs))
     ratio, step_ms, bandwidth = sorted(pairs)[len(pairs) // 2]

@@ -32,7 +32,7 @@ class StepCosts:
             self.seconds = list(seconds)
             return
         # rounds over all sizes, least disturbed reading per size: a burst of load hits one round, not one size
-        rounds = [[self._measure(model, s, rows) for s in self.sizes] for _ in range(3)]
+        rounds = [[self.forward_seconds(model, s, rows) for s in self.sizes] for _ in range(3)]
         self.seconds = self._monotone([min(readings) for readings in zip(*rounds)])
         if lm_head:
             rounds = [[self._measure_head(model, s) for s in self.sizes] for _ in range(3)]
@@ -47,7 +47,8 @@ class StepCosts:
         return [min(measured[i:]) for i in range(len(measured))]
 
     @staticmethod
-    def _measure(model, total: int, rows: int) -> float:
+    def forward_seconds(model, total: int, rows: int) -> float:
+        """The least disturbed of a few forwards of `total` new tokens over up to `rows` rows."""
         batch = min(rows, total)
         width = -(-total // batch)
         cache = KVCache.for_model(model, batch, width + 1)
