@@ -120,6 +120,8 @@ class RequestHandle:
         self._cancel = threading.Event()
         self._done = False  # the consumer has seen the end (or closed the handle)
         self._delivered = False  # the consumer has received the result
+        self.streaming = True  # the consumer takes events as they come; `collect` waits for the end
+        self._held: list[StreamEvent] = []  # events kept for a collecting consumer (worker thread only)
         self.sequence = None  # the engine's Sequence once admitted
 
     @property
@@ -133,12 +135,16 @@ class RequestHandle:
         self._cancel.set()
         self.runner._drop(self)
 
-    def _put(self, item: Any) -> None:
-        """Called from the worker thread (or the loop): hand an item to the consumer."""
+    def _put(self, *items: Any) -> None:
+        """Called from the worker thread (or the loop): hand items to the consumer, in one wake-up of its loop."""
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put_now, items)
         except RuntimeError:  # the event loop is gone (server shutting down)
             self._cancel.set()
+
+    def _put_now(self, items: tuple) -> None:
+        for item in items:
+            self._events.put_nowait(item)
 
     def __aiter__(self) -> RequestHandle:
         return self
@@ -167,7 +173,10 @@ class RequestHandle:
         self._end(None if self._delivered else RequestCancelledError("the consumer closed the request"))
 
     async def collect(self) -> StreamEvent:
-        """Run to the end and close: one StreamEvent with the whole text and token ids, and the result."""
+        """Run to the end and close: one StreamEvent with the whole text and token ids, and the result. The runner
+        then hands over the events at the end, not step by step: each hand-off wakes the event loop, which takes
+        a core from the forward (on 2 cores, concurrency 1 ran ~2% faster without them)."""
+        self.streaming = False
         texts, ids, last = [], [], None
         try:
             async for event in self:
@@ -386,16 +395,21 @@ class Runner:
             timing.first_event = time.perf_counter()
             timing.first_token_ns = now_ns
         timing.last_token_ns = now_ns
-        handle._put(event)
         if event.result is not None:
             handle.result = event.result
-            self._finish(handle, owners, "finished", _END)
+            self._finish(handle, owners, "finished", event, _END)
+        elif handle.streaming:
+            handle._put(event)
+        else:
+            handle._held.append(event)
 
-    def _finish(self, handle: RequestHandle, owners: dict, outcome: str, terminal) -> None:
+    def _finish(self, handle: RequestHandle, owners: dict, outcome: str, *terminal) -> None:
+        """End an admitted request: the events held for it (if it is collected), then `terminal`."""
         owners.pop(id(handle.sequence), None)
         handle.timing.finished = time.perf_counter()
         handle.state = outcome
         with self._cv:
             self.counts[outcome] += 1
             self._running_count = len(owners)
-        handle._put(terminal)
+        handle._put(*handle._held, *terminal)
+        handle._held = []

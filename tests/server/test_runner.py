@@ -74,6 +74,39 @@ def test_runs_fifo_and_collects():
     runner.close()
 
 
+def count_hand_offs(handle) -> list[int]:
+    """The number of items in each hand-off from the worker to the handle's event loop."""
+    sizes, put = [], handle._put
+    handle._put = lambda *items: (sizes.append(len(items)), put(*items))
+    return sizes
+
+
+def test_collected_request_gets_its_events_in_one_hand_off():
+    """A consumer that waits for the end is handed the events once, at the end; a streaming one, step by step.
+    Each hand-off wakes the event loop, which takes a core from the forward."""
+    engine = FakeEngine()
+    runner = Runner(engine)
+
+    async def main():
+        engine.gate.clear()
+        collected = await runner.submit("a", params(5))
+        collected_sizes = count_hand_offs(collected)
+        task = asyncio.ensure_future(collected.collect())
+        await asyncio.sleep(0)  # collect() has started
+        engine.gate.set()
+        out = await task
+        streamed = await runner.submit("b", params(5))
+        streamed_sizes = count_hand_offs(streamed)
+        texts = [event.text async for event in streamed]
+        return out, collected_sizes, texts, streamed_sizes
+
+    out, collected_sizes, texts, streamed_sizes = run(main())
+    assert (out.text, out.token_ids, out.result.text) == ("xxxxx", [7] * 5, "xxxxx")
+    assert collected_sizes == [6]  # 5 events and the end
+    assert texts == ["x"] * 5 and len(streamed_sizes) >= 4
+    runner.close()
+
+
 def test_bad_request_raises_at_submit():
     runner = Runner(FakeEngine())
 
