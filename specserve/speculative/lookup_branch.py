@@ -5,7 +5,7 @@ how often such chains turned out right."""
 
 from __future__ import annotations
 
-from specserve.speculative.ngram import common_prefix_length, ngram_lookup
+from specserve.speculative.ngram import NGramIndex, common_prefix_length
 from specserve.speculative.suffix import SuffixProposer
 
 
@@ -19,6 +19,7 @@ class LookupBranch:
         self.right = {n: 1.0 for n in range(min_n, max_n + 1)}  # a prior of 1 right in 2
         self.judged = {n: 2.0 for n in range(min_n, max_n + 1)}
         self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
+        self.index = NGramIndex(min_n, max_n)
 
     def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], float]:
         """The continuation (empty: no n-gram recurs) and its per-token accuracy estimate."""
@@ -34,7 +35,7 @@ class LookupBranch:
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
         """The chain and the bucket its accuracy is counted in (prompt lookup: the n-gram's length)."""
-        return ngram_lookup(tokens, max_len, self.min_n, self.max_n)
+        return self.index.lookup(tokens, max_len)
 
     def request_finished(self, output: list[int]) -> None:
         """The request ended (a branch that learns across requests keeps its response)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specserve.speculative.ngram import NGramMethod, longest_ngram_continuation
+from specserve.speculative.ngram import NGramIndex, NGramMethod, longest_ngram_continuation, ngram_lookup
 
 
 def test_ngram_prefers_the_longest_match():
@@ -29,3 +31,20 @@ def test_ngram_method_validates_its_bounds():
         NGramMethod(3, 2)
     with pytest.raises(ValueError):
         NGramMethod(0, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 4), max_size=60), chunks=st.lists(st.integers(1, 6), max_size=30),
+       bounds=st.tuples(st.integers(1, 3), st.integers(0, 2)), max_len=st.integers(0, 5))
+def test_the_index_equals_the_scan_as_the_context_grows(tokens, chunks, bounds, max_len):
+    """The incremental index (a request's proposer) gives the tensor scan's answer after every step, whatever the
+    steps' sizes; a context that is not the last one grown is indexed anew."""
+    min_n, max_n = bounds[0], bounds[0] + bounds[1]
+    index, end = NGramIndex(min_n, max_n), 0
+    for size in chunks + [len(tokens)]:
+        end = min(end + size, len(tokens))
+        assert index.lookup(tokens[:end], max_len) == ngram_lookup(tokens[:end], max_len, min_n, max_n)
+    other = [t + 1 for t in tokens]
+    assert index.lookup(other, max_len) == ngram_lookup(other, max_len, min_n, max_n)
+    assert index.lookup(tokens[:len(tokens) // 2], max_len) == ngram_lookup(tokens[:len(tokens) // 2], max_len,
+                                                                           min_n, max_n)
