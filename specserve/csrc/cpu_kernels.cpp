@@ -1033,23 +1033,47 @@ int64_t first_nan(const float* row, int64_t n) {
 }
 
 #ifdef __AVX512F__
+// Four independent chains of 16 lanes, each lane keeping its first maximum (strict compare): one chain waits on
+// its compare's latency every vector (38 us a 262k row). The answer is the smallest index among the lanes holding
+// the row's maximum, which is the first index of it.
 int64_t argmax_row(const float* row, int64_t n) {
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  __m512i best_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i at = best_at;
+  constexpr int kChains = 4;
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 best[kChains];
+  __m512i best_at[kChains], at[kChains];
+  for (int c = 0; c < kChains; ++c) {
+    best[c] = _mm512_set1_ps(-INFINITY);
+    best_at[c] = at[c] = _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * c));
+  }
   __mmask16 nan = 0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_n16(n - i), row + i);
+  const auto take = [&](int c, __m512 v) {
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 better = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
-    best = _mm512_mask_mov_ps(best, better, v);
-    best_at = _mm512_mask_mov_epi32(best_at, better, at);
-    at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+    const __mmask16 better = _mm512_cmp_ps_mask(v, best[c], _CMP_GT_OQ);
+    best[c] = _mm512_mask_mov_ps(best[c], better, v);
+    best_at[c] = _mm512_mask_mov_epi32(best_at[c], better, at[c]);
+  };
+  int64_t i = 0;
+  for (; i + 16 * kChains <= n; i += 16 * kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      take(c, _mm512_loadu_ps(row + i + 16 * c));
+      at[c] = _mm512_add_epi32(at[c], _mm512_set1_epi32(16 * kChains));
+    }
+  }
+  at[0] = _mm512_add_epi32(lanes, _mm512_set1_epi32(int32_t(i)));
+  for (; i < n; i += 16) {
+    take(0, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_n16(n - i), row + i));
+    at[0] = _mm512_add_epi32(at[0], _mm512_set1_epi32(16));
   }
   if (nan) return first_nan(row, n);
-  const float top = _mm512_reduce_max_ps(best);
-  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(holders, best_at);
+  __m512 top_lanes = best[0];
+  for (int c = 1; c < kChains; ++c) top_lanes = _mm512_max_ps(top_lanes, best[c]);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top_lanes));
+  int64_t first = n;
+  for (int c = 0; c < kChains; ++c) {
+    const __mmask16 holders = _mm512_cmp_ps_mask(best[c], top, _CMP_EQ_OQ);
+    if (holders) first = std::min<int64_t>(first, _mm512_mask_reduce_min_epi32(holders, best_at[c]));
+  }
+  return first;
 }
 #else
 int64_t argmax_row(const float* row, int64_t n) {

@@ -174,6 +174,22 @@ def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
     assert ck.argmax(x).tolist() == [10, 50, 0, 99, 0]
 
 
+def test_argmax_over_its_four_chains_and_tail():
+    """The kernel keeps four chains of 16 lanes (64 values a pass) and a tail: the first index of the maximum,
+    wherever its ties sit among chains, lanes and the tail."""
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 15, 16, 63, 64, 65, 127, 128, 200, 262144 + 7):
+        x = torch.randn(8, n, generator=generator)
+        for row, picks in enumerate([(n - 1,), (0, n - 1), (n // 2, n // 3), (n // 4, n // 2, n - 1)]):
+            x[row, list(picks)] = 1e9  # ties in other chains, lanes or the tail
+        x[4] = float("-inf")
+        x[5, n // 2:] = float("nan")
+        x[6] = 0.0
+        x[7] = -0.0
+        x[7, n - 1] = 0.0  # equal to -0.0: the first index still
+        assert torch.equal(ck.argmax(x), x.argmax(-1)), n
+
+
 @pytest.mark.parametrize("caller_flushes", [False, True])
 def test_every_thread_computes_with_denormals_flushed(caller_flushes):
     """Kernels compute in one floating-point mode on every thread, whatever the calling thread's: a denormal input
