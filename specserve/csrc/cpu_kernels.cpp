@@ -1101,6 +1101,52 @@ at::Tensor argmax(const at::Tensor& logits_in) {
   return out;
 }
 
+// ---- Attention masks: KVCache.attention_masks' boolean masks [B, 1, T, S] (True = attend) in one pass instead of
+// ~12 PyTorch ops. A row's query t sees its committed slots (s < length) and the new tokens its tree allows
+// (tree[b, t, u]: the token at slots[b, u]); with a sliding window, only keys less than `window` positions back
+// (a key's position: its slot's, or the new token's written there).
+
+std::vector<at::Tensor> attention_masks(const at::Tensor& lengths_in, const at::Tensor& positions_in,
+                                        const at::Tensor& slots_in, const std::optional<at::Tensor>& tree_in,
+                                        int64_t window, int64_t span) {
+  const at::Tensor lengths = lengths_in.to(at::kLong).contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.dim() == 2 && positions.sizes() == slots.sizes() && lengths.numel() == slots.size(0),
+              "attention_masks: slots and positions [B, T], lengths [B]");
+  const int64_t B = slots.size(0), T = slots.size(1), S = span;
+  at::Tensor tree;
+  if (tree_in.has_value()) {
+    tree = tree_in->to(at::kBool).expand({B, T, T}).contiguous();
+  }
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const bool* allowed = tree.defined() ? tree.data_ptr<bool>() : nullptr;
+  for (int64_t i = 0; i < B * T; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < S, "attention_masks: a slot past span");
+  at::Tensor full = at::zeros({B, 1, T, S}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor near = window > 0 ? at::empty({B, 1, T, S}, at::TensorOptions().dtype(at::kBool)) : full;
+  bool* f = full.data_ptr<bool>();
+  bool* w = near.data_ptr<bool>();
+  std::vector<int64_t> key_pos(S);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t s = 0; s < S; ++s) key_pos[s] = s;
+    for (int64_t u = 0; u < T; ++u) key_pos[slot[b * T + u]] = pos[b * T + u];
+    const int64_t committed = std::clamp<int64_t>(len[b], 0, S);
+    for (int64_t t = 0; t < T; ++t) {
+      bool* row = f + (b * T + t) * S;
+      std::fill(row, row + committed, true);
+      for (int64_t u = 0; u < T; ++u)
+        if (allowed ? allowed[(b * T + t) * T + u] : u <= t) row[slot[b * T + u]] = true;
+      if (window > 0) {
+        bool* sliding = w + (b * T + t) * S;
+        for (int64_t s = 0; s < S; ++s) sliding[s] = row[s] && pos[b * T + t] - key_pos[s] < window;
+      }
+    }
+  }
+  return {full, near};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1119,6 +1165,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("residual_norm", &residual_norm, "(x + [post_norm] y, next_norm(x + [post_norm] y))", py::arg("x"),
         py::arg("y"), py::arg("post"), py::arg("next"), py::arg("eps"), py::arg("gemma"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("attention_masks", &attention_masks, "KVCache.attention_masks' (full, sliding) masks in one pass",
+        py::arg("lengths"), py::arg("positions"), py::arg("slots"), py::arg("tree_mask"), py::arg("window"),
+        py::arg("span"));
   m.def("argmax", &argmax, "torch.argmax(logits, -1) of fp32 logits, one pass", py::arg("logits"),
         py::call_guard<py::gil_scoped_release>());
   py::class_<KernelLinear>(m, "KernelLinear", "a row-invariant linear of a LayerStack");

@@ -262,6 +262,14 @@ def layer_stack(layers: list, quant_linear_capsule=None):
     return _require().LayerStack(layers, quant_linear_capsule)
 
 
+def attention_masks(lengths: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    tree_mask: torch.Tensor | None, window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVCache.attention_masks' (full, sliding-window) boolean masks [B, 1, T, span] in one pass (window 0: none,
+    and the two are one tensor)."""
+    full, sliding = _require().attention_masks(lengths, positions, slots, tree_mask, window, span)
+    return full, sliding
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) for fp32 logits (the first maximum, or the first NaN), in one vectorized pass:
     PyTorch's reduction costs ~3% of a decoding step over a 262k vocabulary. PyTorch's own where the kernels are

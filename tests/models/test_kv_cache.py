@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 
 
@@ -51,3 +54,31 @@ def test_mask_hides_stale_slots_and_applies_the_sliding_window():
     assert masks["sliding_attention"][0, 0, 1].tolist() == [False] * 4 + [True] * 4
     with pytest.raises(ValueError, match="overflow"):
         cache.attention_masks(torch.tensor([[16]]), torch.tensor([[16]]), None, None)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need AVX-512")
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_mask_kernel_equals_the_torch_masks(data):
+    """The one-pass kernel against masks_by_torch: rows of other lengths (a padded row: length 0 or past its new
+    tokens), chains and trees, new tokens at scattered slots, with and without a sliding window."""
+    rows, tokens = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 8))
+    capacity = 48
+    cache = KVCache(1, rows, 1, capacity, 2, torch.float32)
+    slots, positions = [], []
+    for row in range(rows):
+        length = data.draw(st.integers(0, capacity - tokens))
+        cache.lengths[row] = data.draw(st.sampled_from([length, 0, capacity]))
+        row_slots = data.draw(st.permutations(range(length, capacity))) [:tokens]
+        slots.append(row_slots)
+        positions.append([length + data.draw(st.integers(0, 3)) + i for i in range(tokens)])
+    slots, positions = torch.tensor(slots), torch.tensor(positions)
+    tree = None
+    if data.draw(st.booleans()):
+        tree = torch.rand(rows, tokens, tokens, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+        tree = (tree < 0.5) | torch.eye(tokens, dtype=torch.bool)
+    window = data.draw(st.sampled_from([None, 1, 4, 16]))
+    got = cache.attention_masks(positions, slots, tree, window)
+    want = cache.masks_by_torch(positions, slots, tree, window, int(slots.max()) + 1)
+    for kind in ("full_attention", "sliding_attention"):
+        assert torch.equal(got[kind], want[kind]), kind
