@@ -266,8 +266,7 @@ def attention_masks(lengths: torch.Tensor, positions: torch.Tensor, slots: torch
                     tree_mask: torch.Tensor | None, window: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
     """KVCache.attention_masks' (full, sliding-window) boolean masks [B, 1, T, span] in one pass (window 0: none,
     and the two are one tensor)."""
-    full, sliding = _require().attention_masks(lengths, positions, slots, tree_mask, window, span)
-    return full, sliding
+    return tuple(_require().attention_masks(lengths, positions, slots, tree_mask, window, span))
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -152,7 +152,7 @@ class KVCache:
 
     def masks_by_torch(self, positions: torch.Tensor, slots: torch.Tensor, tree_mask: torch.Tensor | None,
                        sliding_window: int | None, span: int) -> dict[str, torch.Tensor]:
-        """attention_masks in PyTorch ops (any device; the kernel's reference)."""
+        """attention_masks in PyTorch ops: where the kernels are not built, and the kernel's reference."""
         bsz, seq = slots.shape
         key_slots = torch.arange(span)
         committed = key_slots[None, None, :] < self.lengths[:, None, None]  # [B, 1, S]
