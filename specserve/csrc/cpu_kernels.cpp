@@ -484,7 +484,7 @@ struct Span {  // keys[i0:i1]: a mask row's visible keys within one tile
   size_t i0, i1;
 };
 
-// Calls f(t0, t1, spans) for each key tile [t0, t1) of [s0, s1); spans[t] covers mask row t's keys in it.
+// Calls f(spans) for each key tile of [s0, s1) (kKeyTile keys); spans[t] covers mask row t's keys in it.
 template <typename F>
 void for_key_tiles(const Keys* keys, int64_t T, int64_t s0, int64_t s1, F&& f) {
   std::vector<Span> spans(T);
@@ -494,7 +494,7 @@ void for_key_tiles(const Keys* keys, int64_t T, int64_t s0, int64_t s1, F&& f) {
     const int64_t t1 = std::min(s1, t0 + kKeyTile);
     for (int64_t t = 0; t < T; ++t)
       for (spans[t].i0 = spans[t].i1; spans[t].i1 < keys[t].size() && keys[t][spans[t].i1] < t1;) ++spans[t].i1;
-    f(t0, t1, spans);
+    f(spans);
   }
 }
 
@@ -551,7 +551,7 @@ void add_block(Row* rows, int mr, Span sp, const bf16* v_head, int64_t stride, i
 // Phase 1: scores of keys [s0, s1) for the rows of kv head `head`; keys holds its batch's T mask rows.
 void score_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64_t s0, int64_t s1) {
   const bf16* kb = a.k + head / a.Hkv * a.ks[0] + head % a.Hkv * a.ks[1];
-  for_key_tiles(keys, a.T, s0, s1, [&](int64_t, int64_t, const std::vector<Span>& spans) {
+  for_key_tiles(keys, a.T, s0, s1, [&](const std::vector<Span>& spans) {
     for (int64_t t = 0; t < a.T; ++t)
       for (int64_t g = 0; g < a.G; g += kHeads)
         score_block(a, &rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], kb, a.ks[2]);
@@ -569,7 +569,7 @@ void value_range(const Attn& a, int64_t head, Row* rows, const Keys* keys, int64
   const bf16* vb = a.v + head / a.Hkv * a.vs[0] + head % a.Hkv * a.vs[1] + d0;
   const int64_t w = d1 - d0, R = a.T * a.G;
   std::vector<float> acc(R * w, 0.f);
-  for_key_tiles(keys, a.T, 0, a.S, [&](int64_t, int64_t, const std::vector<Span>& spans) {
+  for_key_tiles(keys, a.T, 0, a.S, [&](const std::vector<Span>& spans) {
     for (int64_t t = 0; t < a.T; ++t)
       for (int64_t g = 0; g < a.G; g += kHeads)
         add_block(&rows[t * a.G + g], int(std::min<int64_t>(kHeads, a.G - g)), spans[t], vb, a.vs[2], w,

@@ -6,37 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
-
 from specserve.checks import ConfigError, int_at_least
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 
 
-def longest_ngram_continuation(tokens: list[int], max_len: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the longest suffix n-gram
-    (max_n down to min_n) of `tokens`, at most max_len of them; [] if no n-gram recurs."""
-    return ngram_lookup(tokens, max_len, min_n, max_n)[1]
-
-
-def ngram_lookup(tokens: list[int], max_len: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
-    """`longest_ngram_continuation` and the n of the n-gram that matched (0 when none did)."""
-    length = len(tokens)
-    if max_len <= 0 or length < min_n + 1:
-        return 0, []
-    seq = torch.tensor(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = seq[:-1].unfold(0, n, 1)  # n-grams that end before the last token, so a continuation exists
-        hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return n, tokens[start:start + max_len]
-    return 0, []
-
-
 class NGramIndex:
-    """`ngram_lookup` over one request's growing context, in time proportional to the tokens added since the last
-    call rather than to the whole context (the tensor scan took ~110 us a call at 150 tokens and ~590 at 4,000;
-    a step looks up twice per request, its draft and its shadow draft). For each n it keeps, per n-gram, the
+    """Prompt lookup over one request's growing context, in time proportional to the tokens added since the last
+    call rather than to the whole context (a tensor scan of it took ~110 us a call at 150 tokens and ~590 at
+    4,000; a step looks up twice per request, its draft and its shadow draft). For each n it keeps, per n-gram, the
     position after its latest occurrence that ends before the last token. The context may only grow between
     calls; one that does not (shorter, or another last indexed token) is indexed anew."""
 
@@ -50,7 +27,8 @@ class NGramIndex:
         self.last: int | None = None  # tokens[ends - 1] when they were indexed
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
-        """What ngram_lookup(tokens, max_len, min_n, max_n) returns."""
+        """(n, continuation): the tokens that followed the most recent earlier occurrence of the longest suffix
+        n-gram (max_n down to min_n) of `tokens`, at most max_len of them, and that n; (0, []) if none recurs."""
         self._index(tokens)
         length = len(tokens)
         if max_len <= 0 or length < self.min_n + 1:

@@ -3,10 +3,32 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.speculative.ngram import NGramIndex, NGramMethod, longest_ngram_continuation, ngram_lookup
+from specserve.speculative.ngram import NGramIndex, NGramMethod
+
+
+def longest_ngram_continuation(tokens: list[int], max_len: int, min_n: int, max_n: int) -> list[int]:
+    """One lookup on a fresh index."""
+    return NGramIndex(min_n, max_n).lookup(tokens, max_len)[1]
+
+
+def ngram_lookup(tokens: list[int], max_len: int, min_n: int, max_n: int) -> tuple[int, list[int]]:
+    """The reference: a tensor scan of the whole context for each n, longest first (what prompt lookup ran on
+    before the index)."""
+    length = len(tokens)
+    if max_len <= 0 or length < min_n + 1:
+        return 0, []
+    seq = torch.tensor(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # n-grams that end before the last token, so a continuation exists
+        hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return n, tokens[start:start + max_len]
+    return 0, []
 
 
 def test_ngram_prefers_the_longest_match():
