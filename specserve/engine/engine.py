@@ -53,6 +53,14 @@ def byte_fallback_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
 
 
+@functools.lru_cache(maxsize=8)
+def skipped_special_ids(tokenizer) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` drops: the special tokens and the added tokens marked
+    special (Gemma's thousands of <unusedN>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if t.special}
+
+
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, as `tokenizer.decode(ids, skip_special_tokens=True)` gives it,
     for a few tokens' decoding per step instead of all of them (a full decode per step made a long output
@@ -62,15 +70,16 @@ class IncrementalDetokenizer:
     from `prefix` (the settled window's start, at a character boundary) on, and the new text is what that
     decode adds to the decode of ids[prefix:read]. Both decodes start at the same token, so whatever a decoder
     does to a string's start (a stripped leading space) cancels out. The window settles once its text does not
-    end in U+FFFD (an incomplete UTF-8 character) and its last id is not a byte token (SentencePiece's <0xNN>
-    byte fallback decodes a run of byte tokens together, and an invalid run turns every byte of it into U+FFFD,
-    the ones before too). A tokenizer that cleans up spaces between tokens (`clean_up_tokenization_spaces`)
+    end in U+FFFD (an incomplete UTF-8 character) and its last id that the decode keeps (special ids are skipped)
+    is not a byte token (SentencePiece's <0xNN> byte fallback decodes a run of byte tokens together, across a
+    skipped special id, and an invalid run turns every byte of it into U+FFFD, the ones before too). A tokenizer that cleans up spaces between tokens (`clean_up_tokenization_spaces`)
     rewrites earlier text, so it is decoded whole."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self.byte_ids = byte_fallback_ids(tokenizer) if self.windowed else frozenset()
+        self.special_ids = skipped_special_ids(tokenizer) if self.windowed else frozenset()
         self.ids: list[int] = []
         self.settled = ""  # the text of ids[:read]
         self.prefix = self.read = 0
@@ -82,10 +91,14 @@ class IncrementalDetokenizer:
             return self._decode(self.ids)
         before = self._decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
         tail = self._decode(self.ids[self.prefix:])[len(before):]
-        if tail and not tail.endswith("\ufffd") and self.ids[-1] not in self.byte_ids:
+        if tail and not tail.endswith("\ufffd") and not self._ends_in_a_byte_run():
             self.settled += tail
             self.prefix, self.read, tail = self.read, len(self.ids), ""
         return self.settled + tail
+
+    def _ends_in_a_byte_run(self) -> bool:
+        kept = next((i for i in reversed(self.ids[self.read:]) if i not in self.special_ids), None)
+        return kept in self.byte_ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from specserve.engine.engine import IncrementalDetokenizer, StopChecker
+from specserve.engine.engine import IncrementalDetokenizer, StopChecker, skipped_special_ids
 from specserve.models.loader import embedded_default_gguf, gguf_to_hf_dir, llama2c_to_hf_dir
 from specserve.speculative.sampling import SamplingParams
 from tests.conftest import STORIES
@@ -26,9 +26,9 @@ def byte_tokens(tokenizer) -> list[int]:
 
 
 def id_pool(tokenizer) -> list[int]:
-    """Ids that stress the window: the tokens of multi-byte text, byte tokens, special tokens, and any ids."""
+    """Ids that stress the window: the tokens of multi-byte text, byte tokens, ids the decode skips, and any ids."""
     pool = [i for text in TEXTS for i in tokenizer(text, add_special_tokens=False).input_ids]
-    pool += byte_tokens(tokenizer) + list(tokenizer.all_special_ids)
+    pool += byte_tokens(tokenizer) + sorted(skipped_special_ids(tokenizer))[:50]
     return pool + list(range(0, len(tokenizer), max(1, len(tokenizer) // 500)))
 
 
@@ -64,6 +64,18 @@ def test_real_text_token_by_token(real_tokenizer):
         ids = real_tokenizer(text, add_special_tokens=False).input_ids
         detokenizer = IncrementalDetokenizer(real_tokenizer)
         assert [detokenizer.extend([i]) for i in ids] == [full(real_tokenizer, ids[:n + 1]) for n in range(len(ids))]
+
+
+def test_a_byte_run_continues_across_a_skipped_special_id(real_tokenizer):
+    """<0x00> <s> <0x80>: the decode skips <s> (or Gemma's <unusedN>, an added token marked special), so the
+    invalid run turns the settled-looking \\x00 into U+FFFD."""
+    byte_ids = byte_tokens(real_tokenizer)
+    if not byte_ids:
+        pytest.skip("no byte-fallback tokens in this vocabulary")
+    ids = real_tokenizer("h h", add_special_tokens=False).input_ids
+    ids += [byte_ids[0x00], max(skipped_special_ids(real_tokenizer)), byte_ids[0x80], byte_ids[0x03]]
+    detokenizer = IncrementalDetokenizer(real_tokenizer)
+    assert [detokenizer.extend([i]) for i in ids] == [full(real_tokenizer, ids[:n + 1]) for n in range(len(ids))]
 
 
 def test_a_long_output_decodes_a_window_not_everything(tokenizer):
