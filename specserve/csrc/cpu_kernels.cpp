@@ -42,6 +42,23 @@ inline float hsum16_lanes(float* lane) {
   return lane[0];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)  // 16 lanes as two 8-lane halves, for CPUs without AVX-512
+
+// lo holds lanes 0..7, hi lanes 8..15; the same tree as hsum16: l + 8, then + 4, + 2, + 1.
+inline float hsum16(__m256 lo, __m256 hi) {
+  const __m256 h = _mm256_add_ps(lo, hi);                                         // l + 8
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // l + 4
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                         // l + 2
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));                                          // l + 1
+  return _mm_cvtss_f32(q);
+}
+
+inline __m256 load_bf16x8(const bf16* p) {  // bf16 -> fp32 is exact: the bits move up 16 places
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+#endif
+
 #ifdef __AVX512F__
 
 inline float hsum16(__m512 v) {  // hsum16_lanes' tree
@@ -153,6 +170,91 @@ inline float exp_shifted(float* p, int64_t n, float shift) {
   return hsum16(sum);
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)  // AVX-512's arithmetic on 8-lane registers: 16 lanes as two halves
+
+inline __m256i first_n8(int64_t n) {  // lanes < n all ones
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(std::min<int64_t>(n, 8))), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 16
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+}
+
+// dot_f32's lanes: lane l takes fma(a[d], b[d]) for d = l, l + 16, ... (lanes 0..7 in lo, 8..15 in hi). One row of
+// a at a time keeps the accumulators in the 16 registers; b stays in L1 between rows.
+template <int MR, int NR>
+void dot_f32(const float* const* a, const bf16* const* b, int64_t D, float* out) {
+  for (int i = 0; i < MR; ++i) {
+    __m256 lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 a0 = _mm256_loadu_ps(a[i] + d), a1 = _mm256_loadu_ps(a[i] + d + 8);
+      for (int j = 0; j < NR; ++j) {
+        lo[j] = _mm256_fmadd_ps(a0, load_bf16x8(b[j] + d), lo[j]);
+        hi[j] = _mm256_fmadd_ps(a1, load_bf16x8(b[j] + d + 8), hi[j]);
+      }
+    }
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum16(lo[j], hi[j]);
+  }
+}
+
+// add_rows: every element its own chain of fmas over j in order, so the lane width does not matter.
+template <int MR, int V>
+void add_rows(float* acc, int64_t stride, const bf16* const* v, int64_t d, const float* const* p, int n) {
+  for (int i = 0; i < MR; ++i) {
+    __m256 sum[2 * V];
+    for (int e = 0; e < 2 * V; ++e) sum[e] = _mm256_loadu_ps(acc + i * stride + 8 * e);
+    for (int j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[i][j]);
+      for (int e = 0; e < 2 * V; ++e) sum[e] = _mm256_fmadd_ps(pj, load_bf16x8(v[j] + d + 8 * e), sum[e]);
+    }
+    for (int e = 0; e < 2 * V; ++e) _mm256_storeu_ps(acc + i * stride + 8 * e, sum[e]);
+  }
+}
+
+inline float max_of(const float* p, int64_t n) {  // max is exact: lane grouping can't change it
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_blendv_ps(mx, _mm256_maskload_ps(p + i, first_n8(n - i)),
+                                      _mm256_castsi256_ps(first_n8(n - i)));
+    mx = _mm256_max_ps(v, mx);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp16's arithmetic: the same polynomial, and y * 2^n in place of scalef(y, n) (two exact power-of-two factors;
+// with the kernels' FTZ mode a result below 2^-126 is zero in both, an overflow infinite in both).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-104.f), x);  // keeps NaN (second operand)
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(n, _mm256_set1_ps(-127.f)), _mm256_set1_ps(129.f)));
+  const __m256i half = _mm256_srai_epi32(e, 1), rest = _mm256_sub_epi32(e, half);
+  const auto pow2 = [](__m256i k) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)); };
+  return _mm256_mul_ps(_mm256_mul_ps(y, pow2(half)), pow2(rest));
+}
+
+// p[i] <- exp(p[i] - shift); returns sum p: lane i % 16, then the fixed tree.
+inline float exp_shifted(float* p, int64_t n, float shift) {
+  __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i m = first_n8(n - i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(p + i, m), _mm256_set1_ps(shift)));
+    _mm256_maskstore_ps(p + i, m, e);
+    __m256& s = sum[(i / 8) % 2];
+    s = _mm256_add_ps(s, _mm256_and_ps(e, _mm256_castsi256_ps(m)));
+  }
+  return hsum16(sum[0], sum[1]);
+}
+
 #else  // the same arithmetic, one lane at a time
 
 inline void widen(const bf16* src, float* dst, int64_t n) {
@@ -218,6 +320,46 @@ void dot_tile(const bf16* const* a, const bf16* const* b, int64_t K, float* out)
     }
   }
   store_sums(acc, out);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)  // the VDPBF16PS recipe with FMAs: a bf16 product is exact in fp32
+
+constexpr const char* kDotPath = "avx2_fma";
+
+// 16 bf16 (lanes 8h .. 8h + 7 of a step): dword l holds the pair (2l, 2l + 1), even element in the low half.
+struct Pairs {
+  __m256 odd, even;
+};
+
+inline Pairs load_pairs(const bf16* p, int64_t n) {  // zero-filled past n
+  __m256i v;
+  if (n >= 16) {
+    v = _mm256_loadu_si256((const __m256i*)p);
+  } else {
+    alignas(32) bf16 part[16] = {};
+    std::copy(p, p + std::max<int64_t>(n, 0), part);
+    v = _mm256_load_si256((const __m256i*)part);
+  }
+  return {_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u)))),
+          _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))};
+}
+
+// dot_tile's lanes (odd element first, each step rounded once) as fmas, one row of a at a time.
+template <int MR, int NR>
+void dot_tile(const bf16* const* a, const bf16* const* b, int64_t K, float* out) {
+  for (int i = 0; i < MR; ++i) {
+    __m256 acc[NR][2];
+    for (int j = 0; j < NR; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kStep)
+      for (int h = 0; h < 2; ++h) {
+        const Pairs av = load_pairs(a[i] + k + 16 * h, K - k - 16 * h);
+        for (int j = 0; j < NR; ++j) {
+          const Pairs bv = load_pairs(b[j] + k + 16 * h, K - k - 16 * h);
+          acc[j][h] = _mm256_fmadd_ps(av.even, bv.even, _mm256_fmadd_ps(av.odd, bv.odd, acc[j][h]));
+        }
+      }
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum16(acc[j][0], acc[j][1]);
+  }
 }
 
 #else  // a scalar model of the VDPBF16PS recipe
@@ -793,6 +935,31 @@ void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out
     out[i] = bf16(float(bf16(a[0])) * float(up[i]));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 activation8(__m256 x, bool gelu) {  // activation16's arithmetic, 8 lanes
+  __m256 z = x;
+  if (gelu) {
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    z = _mm256_mul_ps(_mm256_set1_ps(1.5957691216057308f),
+                      _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f), cube)));
+  }
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
+  float a[8], u[8];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(a, activation8(load_bf16x8(gate + i), gelu));
+    _mm256_storeu_ps(u, load_bf16x8(up + i));
+    for (int l = 0; l < 8; ++l) out[i + l] = bf16(float(bf16(a[l])) * u[l]);
+  }
+  for (; i < n; ++i) {  // the tail through the same vector code, one lane used
+    _mm256_storeu_ps(a, activation8(_mm256_set1_ps(float(gate[i])), gelu));
+    out[i] = bf16(float(bf16(a[0])) * float(up[i]));
+  }
+}
 #else
 void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
   for (int64_t i = 0; i < n; ++i) {
@@ -1075,6 +1242,54 @@ int64_t argmax_row(const float* row, int64_t n) {
   }
   return first;
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The AVX-512 version's scheme on 8 lanes: four chains, each lane keeping its first maximum.
+int64_t argmax_row(const float* row, int64_t n) {
+  constexpr int kChains = 4;
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best[kChains];
+  __m256i best_at[kChains], at[kChains];
+  for (int c = 0; c < kChains; ++c) {
+    best[c] = _mm256_set1_ps(-INFINITY);
+    best_at[c] = at[c] = _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * c));
+  }
+  __m256 nan = _mm256_setzero_ps();
+  const auto take = [&](int c, __m256 v) {
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256 better = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);
+    best[c] = _mm256_blendv_ps(best[c], v, better);
+    best_at[c] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at[c]), _mm256_castsi256_ps(at[c]),
+                                                      better));
+  };
+  int64_t i = 0;
+  for (; i + 8 * kChains <= n; i += 8 * kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      take(c, _mm256_loadu_ps(row + i + 8 * c));
+      at[c] = _mm256_add_epi32(at[c], _mm256_set1_epi32(8 * kChains));
+    }
+  }
+  at[0] = _mm256_add_epi32(lanes, _mm256_set1_epi32(int32_t(i)));
+  for (; i < n; i += 8) {
+    const __m256i m = first_n8(n - i);
+    take(0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(row + i, m), _mm256_castsi256_ps(m)));
+    at[0] = _mm256_add_epi32(at[0], _mm256_set1_epi32(8));
+  }
+  if (_mm256_movemask_ps(nan)) return first_nan(row, n);
+  float values[kChains][8];
+  int32_t where[kChains][8];
+  for (int c = 0; c < kChains; ++c) {
+    _mm256_storeu_ps(values[c], best[c]);
+    _mm256_storeu_si256((__m256i*)where[c], best_at[c]);
+  }
+  float top = -INFINITY;
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < 8; ++l) top = std::max(top, values[c][l]);
+  int64_t first = n;
+  for (int c = 0; c < kChains; ++c)
+    for (int l = 0; l < 8; ++l)
+      if (values[c][l] == top) first = std::min<int64_t>(first, where[c][l]);
+  return first;
+}
 #else
 int64_t argmax_row(const float* row, int64_t n) {
   const int64_t nan = first_nan(row, n);
@@ -1221,6 +1436,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 #ifdef __AVX512F__
     return "small_linear: " + linear + ", decode_attention: avx512f";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "small_linear: " + linear + ", decode_attention: avx2_fma";
 #else
     return "small_linear: " + linear + ", decode_attention: scalar";
 #endif

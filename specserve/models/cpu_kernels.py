@@ -126,7 +126,7 @@ def _load():
     with _lock:
         if not _tried:
             _tried = True
-            _ext, unavailable_reason = _try_build(_build, ("avx512f",))
+            _ext, unavailable_reason = _try_build(_build, ())
         return _ext
 
 

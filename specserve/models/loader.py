@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specserve.models import llama2c, quant
+from specserve.models import cpu_kernels, llama2c, quant
 from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
@@ -70,9 +70,13 @@ def _matmul_seconds(dtype: torch.dtype) -> float:
 
 
 def default_dtype(device: str = "cpu") -> torch.dtype:
-    """The fastest of bf16 and fp32 on this machine, measured once and remembered in the cache."""
+    """bf16 where the row-invariant CPU kernels run (they are what keeps speculation exactly lossless, and they
+    compute in bf16: PyTorch's fp32 attention gives a token other logits verified beside drafts than decoded
+    alone); else the faster of bf16 and fp32 on this machine, measured once and remembered in the cache."""
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if cpu_kernels.available():
+        return torch.bfloat16
     record = cache_root() / "dtype.json"
     key = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-{os.cpu_count()}"
     try:
