@@ -205,8 +205,13 @@ SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, 
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * kTile, acc[i]);
 }
 
-// ---------------------------------------------------------------- AVX2 path (maddubs: u8 x s8 pairs, no overflow
-// since q <= 63 there; 8-bit weights are split into nibbles)
+// ---------------------------------------------------------------- AVX2 path (maddubs: u8 x s8 pairs into int16)
+//
+// A tile's half (8 outputs) of one weight block is decoded once into registers or L1, then every activation row
+// streams over it. maddubs adds two u8 x s8 products into a saturating int16, so the codes must keep those sums in
+// range (|p| <= 127): 4..6-bit codes (q <= 63) go in as they are, and the int16 sums of kRun groups are added before
+// one widening madd (4 bits: 8 groups, 2 * 15 * 127 * 8 < 2^15; 5 bits: 4; 6 bits: 2); 8-bit codes go in as
+// |q - 128| against p signed by q - 128 (2 * 128 * 127 < 2^15), which gives sum (q - 128) p, i.e. isum - 128 psum.
 
 #define SPECSERVE_AVX2 __attribute__((target("avx2,fma")))
 
@@ -219,18 +224,18 @@ SPECSERVE_AVX2 inline __m256i expand_bits32(uint32_t bits) {  // bit j -> byte j
   return _mm256_cmpeq_epi8(v, select);
 }
 
-// w[g]: group g's half h (outputs 8h .. 8h + 7) as 32 bytes; for 8 bits, hi[g] holds the high nibbles.
+// w[g]: group g's half h (outputs 8h .. 8h + 7) as 32 bytes: the codes, or for 8 bits q - 128 as int8 with its
+// magnitude in mag[g].
 template <int BITS>
-SPECSERVE_AVX2 inline void load_half256(const Packed& W, int64_t at, int h, __m256i (&w)[8], __m256i (&hi)[8]) {
+SPECSERVE_AVX2 inline void decode_half(const Packed& W, int64_t at, int h, __m256i (&w)[8], __m256i (&mag)[8]) {
   const uint8_t* qs = W.qs + at * (BITS == 8 ? 512 : 256);
-  const __m256i low = _mm256_set1_epi8(15);
   if constexpr (BITS == 8) {
     for (int g = 0; g < 8; ++g) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + g * 64 + h * 32));
-      w[g] = _mm256_and_si256(v, low);
-      hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      w[g] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(qs + g * 64 + h * 32)), _mm256_set1_epi8(char(0x80)));
+      mag[g] = _mm256_abs_epi8(w[g]);  // -128 -> 0x80, read as the unsigned 128
     }
   } else {
+    const __m256i low = _mm256_set1_epi8(15);
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + c * 64 + h * 32));
       w[c] = _mm256_and_si256(v, low);
@@ -251,34 +256,38 @@ SPECSERVE_AVX2 inline void load_half256(const Packed& W, int64_t at, int h, __m2
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
   constexpr int kGroups = 8 / SUB;
+  constexpr int kRun = std::min(kGroups, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);
   const int64_t psum_stride = X.K / 16;
-  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < W.kblocks; ++kb) {
       const int64_t at = tile * W.kblocks + kb;
-      __m256i w[8], hi[8];
-      load_half256<BITS>(W, at, h, w, hi);
-      for (int sb = 0; sb < SUB; ++sb) {
-        __m256i isum[MR];
-        for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
-        for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
-          for (int i = 0; i < MR; ++i) {
-            int32_t four;
-            std::memcpy(&four, X.p + (m0 + i) * X.K + kb * kBlock + g * 4, 4);
-            const __m256i pv = _mm256_set1_epi32(four);
-            isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w[g], pv), ones));
-            if constexpr (BITS == 8)
-              isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[g], pv), sixteens));
+      __m256i w[8], mag[8];
+      decode_half<BITS>(W, at, h, w, mag);
+      for (int i = 0; i < MR; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* p = X.p + m * X.K + kb * kBlock;
+        for (int sb = 0; sb < SUB; ++sb) {
+          __m256i isum = _mm256_setzero_si256();
+          for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
+            __m256i run = _mm256_setzero_si256();
+            for (int g = g0; g < g0 + kRun; ++g) {
+              int32_t four;
+              std::memcpy(&four, p + g * 4, 4);
+              const __m256i pv = _mm256_set1_epi32(four);
+              if constexpr (BITS == 8) run = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(pv, w[g]));
+              else run = _mm256_add_epi16(run, _mm256_maddubs_epi16(w[g], pv));
+            }
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(run, ones));
           }
-        const int64_t si = (at * SUB + sb) * kTile + 8 * h;
-        const __m256 s = _mm256_loadu_ps(W.scales + si);
-        for (int i = 0; i < MR; ++i) {
-          const int64_t m = m0 + i;
-          const int32_t* ps = X.psum16 + m * psum_stride + kb * 2;
-          const int32_t psum = block_psum(ps, SUB, sb);
-          __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[i], _mm256_set1_epi32(W.zero * psum))), s);
+          const int32_t psum = block_psum(X.psum16 + m * psum_stride + kb * 2, SUB, sb);
+          // isum - zero * psum, the same integer for 8 bits, whose isum already holds -128 psum
+          const int32_t shift = (BITS == 8 ? 128 - W.zero : -W.zero) * psum;
+          const int64_t si = (at * SUB + sb) * kTile + 8 * h;
+          __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum, _mm256_set1_epi32(shift))),
+                                   _mm256_loadu_ps(W.scales + si));
           if constexpr (OFFS)
             t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);
           acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);

@@ -233,3 +233,27 @@ def test_packed_linears_of_a_biased_family_load_their_biases(checkpoint):
     from specserve.models.kv_cache import KVCache
     got, want = (m(tokens, pos, KVCache.for_model(m, 1, 8), pos).logits for m in (model, dense))
     assert (got - want).norm() / want.norm() < 0.05
+
+
+@pytest.mark.parametrize("bits, group, zero, offsets", [(4, 32, 8, False), (4, 32, 0, True), (5, 32, 16, False),
+                                                        (5, 32, 0, True), (6, 16, 32, False), (8, 32, 128, False)])
+def test_extreme_codes_and_activations_sum_exactly_on_every_path(bits, group, zero, offsets, monkeypatch):
+    """The vector paths add u8 x s8 products in saturating int16 lanes (AVX2's maddubs) before widening: codes at
+    0 and at their maximum against activation blocks of all +-127 must still give the exact integer sums."""
+    n, k, top = 32, 256, 2 ** bits - 1
+    q = np.zeros((n, k), dtype=np.uint8)
+    q[0::4], q[1::4] = top, 0
+    q[2::4] = np.tile([0, top], k // 2)
+    q[3::4] = np.random.default_rng(0).integers(0, top + 1, k)
+    scales = np.ones((n, k // group), dtype=np.float32)
+    codes = quant.Codes(q, scales, np.zeros_like(scales) if offsets else None, bits, group, zero, f"test{bits}")
+    packed = quant.PackedWeight.from_codes(codes)
+    x = torch.full((4, k), 127.0)
+    x[1] = -127.0
+    x[2, 0::2] = -127.0
+    x[3] = torch.arange(k) % 255 - 127.0  # every code from -127 to 127,
+    x[3, ::32] = 127.0  # with 127 in each block, so its scale dx is 1 and its codes are x
+    exact = x.double() @ (torch.from_numpy(q.astype(np.float64)) - zero).T  # dx = 1: the integer sums themselves
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        assert torch.equal(packed.matmul(x, out_fp32=True).double(), exact), isa
