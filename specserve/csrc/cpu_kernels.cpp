@@ -8,9 +8,10 @@
 //
 // Built with -march=native; the recipe is fixed per build and machine:
 //   small_linear   AMX (TDPBF16PS, K in steps of 32) when the CPU and the kernel allow it, else dot_tile's
-//                  VDPBF16PS recipe (AVX512-BF16, or a bit-identical scalar model of it up to denormals);
-//   attention      fp32 FMAs on exactly widened bf16 operands (AVX-512F, or the same arithmetic in scalar
-//                  code, with libm's exp).
+//                  VDPBF16PS recipe (AVX512-BF16; on AVX2 + FMA the same recipe as FMAs, a bf16 product being
+//                  exact in fp32; else a scalar model of it; bit-identical up to denormals);
+//   attention      fp32 FMAs on exactly widened bf16 operands (AVX-512F; AVX2 + FMA with each 16-lane register
+//                  as two 8-lane halves, the same arithmetic; else the same sums in scalar code, with libm's exp).
 
 #include <torch/extension.h>
 

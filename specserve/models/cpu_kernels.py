@@ -3,11 +3,12 @@
 Speculative decoding is only lossless if a token's logits don't depend on how many tokens share the forward
 (T=1 decoding vs T=K+1 verification) or on the KV length; PyTorch's CPU bf16 linear and SDPA don't promise
 that. The kernels in `specserve/csrc/cpu_kernels.cpp` compute every output element with one fixed sequence of
-fp32 operations. `available()` never raises: when the build fails, the CPU lacks AVX-512 or
-SPECSERVE_NO_KERNELS=1 is set, it returns False and `unavailable_reason` says why.
+fp32 operations, on AVX-512, on AVX2 + FMA (the same arithmetic in 8-lane halves) or in scalar code.
+`available()` never raises: when the build fails or SPECSERVE_NO_KERNELS=1 is set, it returns False and
+`unavailable_reason` says why.
 
-`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the linears of fp32 models, the
-dtype chosen on CPUs without AVX-512: row-invariant, and it reads each weight once for all rows of a step.
+`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the linears of fp32 models (an
+explicit `dtype: float32`): row-invariant, and it reads each weight once for all rows of a step.
 """
 
 from __future__ import annotations

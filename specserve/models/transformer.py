@@ -395,7 +395,7 @@ class CausalLM(nn.Module):
 
     @property
     def kernels_usable(self) -> bool:
-        """Row-invariant kernels exist for bf16 on CPUs with AVX-512; other setups use PyTorch's kernels."""
+        """Row-invariant kernels exist for bf16 on CPUs; other setups (fp32, GPUs) use PyTorch's kernels."""
         if self._kernels_usable is None:
             self._kernels_usable = (self.dtype == torch.bfloat16 and self.model.norm.weight.device.type == "cpu"
                                     and cpu_kernels.available())
