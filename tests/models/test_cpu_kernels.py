@@ -203,3 +203,12 @@ def test_every_thread_computes_with_denormals_flushed(caller_flushes):
             assert torch.count_nonzero(ck.rms_norm(x[:rows], torch.ones(64), 1e-6, False)) == 0
     finally:
         torch.set_flush_denormal(True)  # as a loaded model leaves it
+
+
+def test_auto_dtype_is_bf16_wherever_the_row_invariant_kernels_run():
+    """fp32 runs PyTorch's attention, whose rows change with the forward's shape: speculation would not be exact."""
+    from specserve.models.loader import default_dtype
+
+    if not ck.available():
+        pytest.skip(f"no row-invariant kernels here: {ck.unavailable_reason}")
+    assert default_dtype("cpu") == torch.bfloat16
