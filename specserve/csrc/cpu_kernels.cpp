@@ -43,7 +43,7 @@ inline float hsum16_lanes(float* lane) {
   return lane[0];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)  // 16 lanes as two 8-lane halves, for CPUs without AVX-512
+#if defined(__AVX2__) && defined(__FMA__)  // 16 lanes as two 8-lane halves (AVX-512 builds use it too)
 
 // lo holds lanes 0..7, hi lanes 8..15; the same tree as hsum16: l + 8, then + 4, + 2, + 1.
 inline float hsum16(__m256 lo, __m256 hi) {
@@ -62,12 +62,8 @@ inline __m256 load_bf16x8(const bf16* p) {  // bf16 -> fp32 is exact: the bits m
 
 #ifdef __AVX512F__
 
-inline float hsum16(__m512 v) {  // hsum16_lanes' tree
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));  // l + 8
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));       // l + 4
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));                                              // l + 2
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));                                               // l + 1
-  return _mm_cvtss_f32(q);
+inline float hsum16(__m512 v) {  // hsum16_lanes' tree: the two-halves version on v's halves
+  return hsum16(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
 }
 
 // hsum16 of four vectors at once: the same lane pairs are added, so each sum is bit-identical to hsum16's.
