@@ -54,8 +54,27 @@ inline float hsum16(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(q);
 }
 
-inline __m256 load_bf16x8(const bf16* p) {  // bf16 -> fp32 is exact: the bits move up 16 places
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+inline __m256 widen_bf16x8(__m128i bits) {  // bf16 -> fp32 is exact: the bits move up 16 places
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+inline __m256 load_bf16x8(const bf16* p) { return widen_bf16x8(_mm_loadu_si128((const __m128i*)p)); }
+
+// c10::BFloat16's round to nearest even (NaN -> 0x7fc0), 8 lanes.
+inline __m128i round_to_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i words = _mm256_packus_epi32(r, r);  // r < 2^16: no saturation; [r0..3 r0..3 | r4..7 r4..7]
+  return _mm_unpacklo_epi64(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+}
+
+// out[0..7] = bf16(float(bf16(act)) * float(up[0..7])): the activation rounded before the product, as the two
+// PyTorch ops round.
+inline void store_gated8(__m256 act, const bf16* up, bf16* out) {
+  const __m256 product = _mm256_mul_ps(widen_bf16x8(round_to_bf16x8(act)), load_bf16x8(up));
+  _mm_storeu_si128((__m128i*)out, round_to_bf16x8(product));
 }
 
 #endif
@@ -920,12 +939,12 @@ inline __m512 activation16(__m512 x, bool gelu) {
 }
 
 void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
-  float a[16], u[16];
+  float a[16];
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(a, activation16(load_bf16x16(gate + i), gelu));
-    _mm512_storeu_ps(u, load_bf16x16(up + i));
-    for (int l = 0; l < 16; ++l) out[i + l] = bf16(float(bf16(a[l])) * u[l]);
+    const __m512 act = activation16(load_bf16x16(gate + i), gelu);
+    store_gated8(_mm512_castps512_ps256(act), up + i, out + i);
+    store_gated8(_mm512_extractf32x8_ps(act, 1), up + i + 8, out + i + 8);
   }
   for (; i < n; ++i) {  // the tail through the same vector code, one lane used
     _mm512_storeu_ps(a, activation16(_mm512_set1_ps(float(gate[i])), gelu));
@@ -945,13 +964,9 @@ inline __m256 activation8(__m256 x, bool gelu) {  // activation16's arithmetic, 
 }
 
 void gated_row(const bf16* gate, const bf16* up, int64_t n, bool gelu, bf16* out) {
-  float a[8], u[8];
+  float a[8];
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(a, activation8(load_bf16x8(gate + i), gelu));
-    _mm256_storeu_ps(u, load_bf16x8(up + i));
-    for (int l = 0; l < 8; ++l) out[i + l] = bf16(float(bf16(a[l])) * u[l]);
-  }
+  for (; i + 8 <= n; i += 8) store_gated8(activation8(load_bf16x8(gate + i), gelu), up + i, out + i);
   for (; i < n; ++i) {  // the tail through the same vector code, one lane used
     _mm256_storeu_ps(a, activation8(_mm256_set1_ps(float(gate[i])), gelu));
     out[i] = bf16(float(bf16(a[0])) * float(up[i]));

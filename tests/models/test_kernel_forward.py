@@ -103,6 +103,55 @@ def test_gated_activation_tracks_pytorch_and_is_row_invariant(gelu):
         assert torch.equal(ck.gated_activation(gate_up[i:i + 1], None, gelu)[0], got[i])
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+def test_norm_and_residual_add_round_as_pytorch_bit_for_bit(gemma):
+    """Rows of +-0.5, 1 and 2 have a sum of squares that is exact in any order, so RMSNorm's scale is one correctly
+    rounded 1 / sqrt; each normed value is then PyTorch's fp32 products rounded to bf16, bit for bit (Gemma:
+    bf16(x r w); llama: bf16(w bf16(x r))). The residual add of random bits is PyTorch's fp32 sum rounded."""
+    gen = torch.Generator().manual_seed(2)
+    D, eps = 645, 1e-6
+    halves = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0])
+    x, y = (halves[torch.randint(0, 6, (7, D), generator=gen)].bfloat16() for _ in range(2))
+    weight = norm_weights(D, gemma).kernel_weight()
+    total, normed = ck.residual_norm(x, y, None, weight, eps, gemma)
+    s = x.float() + y.float()  # exact
+    scale = 1.0 / torch.sqrt((s * s).sum(-1, keepdim=True) / D + eps)
+    want = (s * scale * weight) if gemma else (weight * (s * scale).bfloat16().float())
+    assert torch.equal(total, s.bfloat16())
+    assert torch.equal(normed.view(torch.int16), want.bfloat16().view(torch.int16))
+    bits = lambda: torch.randint(-2 ** 15, 2 ** 15, (7, D), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    x, y = bits(), bits()
+    total = ck.residual_norm(x, y, None, weight, eps, gemma)[0]
+    want = (x.float() + y.float()).bfloat16()
+    nan = want.isnan()
+    tiny = lambda t: (t != 0) & (t.abs() < torch.finfo(torch.float32).tiny)  # flushed by the kernels (fp_mode.h)
+    kept = ~nan & ~tiny(x.double()) & ~tiny(y.double()) & ~tiny(x.double() + y.double())
+    assert torch.equal(total.isnan(), nan)
+    assert torch.equal(total.view(torch.int16)[kept], want.view(torch.int16)[kept])
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("width", [1032, 1037])  # 8-lane blocks only; a tail after 16- and 8-lane blocks
+def test_gated_activation_rounds_its_product_as_pytorch_bit_for_bit(gelu, width):
+    """act(gate) is rounded to bf16, then its product with up: with `up` of random bits (every exponent, ties,
+    infinities, NaN) the output is PyTorch's fp32 product of the two, rounded to bf16, bit for bit. Where `up` or
+    the product is denormal the kernels flush to zero (fp_mode.h)."""
+    gen = torch.Generator().manual_seed(width)
+    gate = (torch.randn(16, width, generator=gen) * 4).bfloat16()
+    up = torch.randint(-2 ** 15, 2 ** 15, (16, width), generator=gen, dtype=torch.int16).view(torch.bfloat16)
+    act = ck.gated_activation(gate, torch.ones_like(up), gelu)  # x 1 is exact: bf16(act(gate))
+    want = (act.float() * up.float()).bfloat16()
+    got = ck.gated_activation(gate, up, gelu)
+    nan = got.isnan()
+    assert torch.equal(nan, want.isnan()) and nan.any()
+    assert (got.view(torch.int16)[nan] == 0x7FC0).all()  # c10::BFloat16's NaN, as a scalar conversion gives
+    tiny = lambda t: (t != 0) & (t.abs() < torch.finfo(torch.float32).tiny)
+    flushed = tiny(up.double()) | tiny(act.double() * up.double())
+    assert (got[flushed] == 0).all() and flushed.any()
+    kept = ~nan & ~flushed
+    assert torch.equal(got.view(torch.int16)[kept], want.view(torch.int16)[kept])
+
+
 @pytest.fixture(scope="module")
 def bf16_model(checkpoint):
     made = {}
