@@ -12,6 +12,7 @@ with other requests' steps; chunks of C = 64 run on the row-invariant kernels, a
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from specserve.speculative.grammar import (AfterForced, GrammarVocabulary, Guide
 from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs
 from specserve.speculative.tree import Chain, after_chain
 from specserve.speculative.verify import mask_logits, verify
+
+log = logging.getLogger("specserve.engine")
 
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
 
@@ -187,6 +190,11 @@ class Engine:
         # logits for the verified rows alone, not for those padded to the batch's longest draft (a sharded
         # model's ranks compute the padded form together)
         self.ragged_logits = isinstance(self.model, CausalLM)
+        if self.max_draft_len and not self.model.kernels_usable:
+            log.warning("speculation verifies on PyTorch's kernels here (dtype %s, or not a CPU): their sums can "
+                        "round differently with the number of tokens in a forward, so an output may leave plain "
+                        "decoding's where two tokens' logits nearly tie; bfloat16 on a CPU runs the row-invariant "
+                        "kernels that keep them equal", str(self.model.dtype).removeprefix("torch."))
 
     @property
     def lossless(self) -> bool:
