@@ -14,6 +14,8 @@ run on into invented turns.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
 EMBEDDED_DEFAULT_TEMPLATE = "question_answer.jinja"
 EMBEDDED_DEFAULT_STOP = ("\nQuestion:",)  # where the base model would ask the next question itself
+GGUF_TEMPLATE_FILE = "gguf_chat_template.json"  # the GGUF's field (or its absence), kept in its converted checkpoint
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,34 @@ def gguf_chat_template(gguf_path: Path) -> str | None:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
-def resolve_chat_format(tokenizer, gguf_path: Path | None, embedded_default: bool) -> ChatFormat:
-    """The checkpoint's template, else the GGUF's, else the shipped one for the embedded default, else none."""
-    own = getattr(tokenizer, "chat_template", None) or (gguf_chat_template(gguf_path) if gguf_path else None)
+def kept_gguf_chat_template(gguf_path: Path, directory: Path) -> str | None:
+    """gguf_chat_template, read once and then kept in `directory` (the GGUF's converted checkpoint, whose name
+    changes with the file): reading one field parses every metadata entry, the whole vocabulary included, which
+    took ~25 s of each start of the embedded default (262k tokens, and no template in the end)."""
+    kept = directory / GGUF_TEMPLATE_FILE
+    try:
+        template = json.loads(kept.read_text(encoding="utf-8"))["template"]
+        if template is None or isinstance(template, str):
+            return template
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    template = gguf_chat_template(gguf_path)
+    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
+    try:  # written aside, then renamed: a reader never sees half a file
+        partial.write_text(json.dumps({"template": template}), encoding="utf-8")
+        partial.replace(kept)
+    except OSError:  # a read-only cache: the next start reads the GGUF again
+        partial.unlink(missing_ok=True)
+    return template
+
+
+def resolve_chat_format(tokenizer, gguf_path: Path | None, embedded_default: bool,
+                        directory: Path | None = None) -> ChatFormat:
+    """The checkpoint's template, else the GGUF's (kept in `directory`, its converted checkpoint, when given), else
+    the shipped one for the embedded default, else none."""
+    own = getattr(tokenizer, "chat_template", None)
+    if not own and gguf_path:
+        own = kept_gguf_chat_template(gguf_path, directory) if directory else gguf_chat_template(gguf_path)
     if own:
         return ChatFormat(own)
     if embedded_default:

@@ -405,7 +405,7 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
         tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
-    chat = resolve_chat_format(tokenizer, source.gguf, source.embedded_default)
+    chat = resolve_chat_format(tokenizer, source.gguf, source.embedded_default, source.directory)
     tokenizer.chat_template = chat.template
     eos_ids = _eos_ids(hf_config, tokenizer, source.directory)
     if source.gguf is not None:  # no generation config: a chat turn's end token ends generation, as in llama.cpp

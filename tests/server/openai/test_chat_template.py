@@ -7,7 +7,8 @@ import pytest
 from gguf import GGUFWriter
 
 from specserve.models.chat_template import (EMBEDDED_DEFAULT_STOP, ChatFormat, ChatTemplateError, end_of_turn_ids,
-                                            gguf_chat_template, read_template_file, resolve_chat_format)
+                                            gguf_chat_template, kept_gguf_chat_template, read_template_file,
+                                            resolve_chat_format)
 from specserve.server.repository import ModelRepository
 from tests.conftest import build_tokenizer, make_checkpoint
 
@@ -98,14 +99,19 @@ def test_the_embedded_defaults_format_is_a_question_and_answer_transcript():
         tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
-def test_resolution_order(tmp_path):
-    path = tmp_path / "with-template.gguf"
+def write_gguf(path, template: str | None):
     writer = GGUFWriter(str(path), "llama")
-    writer.add_chat_template("{{ 'from the gguf' }}")
+    if template is not None:
+        writer.add_chat_template(template)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_resolution_order(tmp_path):
+    path = write_gguf(tmp_path / "with-template.gguf", "{{ 'from the gguf' }}")
     assert gguf_chat_template(path) == "{{ 'from the gguf' }}"
     own = build_tokenizer()
     assert resolve_chat_format(own, path, embedded_default=True) == ChatFormat(own.chat_template)
@@ -113,6 +119,29 @@ def test_resolution_order(tmp_path):
     assert resolve_chat_format(bare, path, embedded_default=True) == ChatFormat("{{ 'from the gguf' }}")
     assert resolve_chat_format(bare, None, embedded_default=True) == embedded_default_format()
     assert resolve_chat_format(bare, None, embedded_default=False) == ChatFormat(None)
+
+
+@pytest.mark.parametrize("template", ["{{ 'from the gguf' }}", None])
+def test_the_gguf_template_is_read_once_then_kept_beside_the_checkpoint(tmp_path, monkeypatch, template):
+    """Reading the GGUF's field parses all its metadata (the whole vocabulary): the field, or its absence, is kept
+    in the converted checkpoint's directory and read from there on later starts."""
+    from specserve.models import chat_template
+
+    gguf = write_gguf(tmp_path / "model.gguf", template)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    reads = []
+    read = chat_template.gguf_chat_template
+    monkeypatch.setattr(chat_template, "gguf_chat_template", lambda path: reads.append(path) or read(path))
+    bare = build_tokenizer(None)
+    for _ in range(3):
+        assert kept_gguf_chat_template(gguf, converted) == template
+        assert resolve_chat_format(bare, gguf, embedded_default=False, directory=converted) == ChatFormat(template)
+    assert reads == [gguf]
+    (converted / chat_template.GGUF_TEMPLATE_FILE).write_text('{"template": 7}')  # not a template: read again
+    assert kept_gguf_chat_template(gguf, converted) == template and len(reads) == 2
+    unwritable = tmp_path / "missing"  # the answer is still the GGUF's, and nothing is left behind
+    assert kept_gguf_chat_template(gguf, unwritable) == template and not unwritable.exists()
 
 
 def test_end_of_turn_tokens_are_found_by_name():
