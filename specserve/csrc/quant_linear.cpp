@@ -253,6 +253,28 @@ SPECSERVE_AVX2 inline void decode_half(const Packed& W, int64_t at, int h, __m25
   }
 }
 
+// Ask for the weight block `kPrefetchBlocks` ahead (codes, planes, scales, offsets) while this one is computed. An
+// AVX2 core spends about as long on a block's integer work as on its load from memory, and the hardware prefetcher
+// alone does not overlap the two: on a Zen 3 this made the lm_head 1.06x faster at one row and ~1.15x at 2..5 rows.
+// Past a weight's last block the addresses lie outside it: a prefetch never faults, so they are not clamped (with
+// a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
+constexpr int64_t kPrefetchBlocks = 4;
+
+SPECSERVE_AVX2 inline void prefetch_lines(const void* base, int64_t offset, int bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
+  for (int line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
+template <int BITS, int SUB, bool OFFS>
+SPECSERVE_AVX2 inline void prefetch_block(const Packed& W, int64_t at) {
+  constexpr int kCodeBytes = BITS == 8 ? 512 : 256, kPlaneBytes = BITS == 8 ? 0 : (BITS - 4) * 64;
+  constexpr int kScaleBytes = SUB * kTile * int(sizeof(float));
+  prefetch_lines(W.qs, at * kCodeBytes, kCodeBytes);
+  if constexpr (kPlaneBytes > 0) prefetch_lines(W.planes, at * kPlaneBytes, kPlaneBytes);
+  prefetch_lines(W.scales, at * kScaleBytes, kScaleBytes);
+  if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
+}
+
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
   constexpr int kGroups = 8 / SUB;
@@ -264,6 +286,7 @@ SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int6
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < W.kblocks; ++kb) {
       const int64_t at = tile * W.kblocks + kb;
+      if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
       __m256i w[8], mag[8];
       decode_half<BITS>(W, at, h, w, mag);
       for (int i = 0; i < MR; ++i) {
