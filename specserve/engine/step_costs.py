@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.files import write_text_atomically
 from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel, cache_root
@@ -118,8 +119,6 @@ def target_verify_seconds(target: LoadedModel) -> StepCosts:
     else:
         costs = StepCosts(target.model, rows=1)
         table[key] = costs.seconds
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table))
-        tmp.replace(file)
+        write_text_atomically(file, json.dumps(table))
     _VERIFY_COSTS[id(target.model)] = costs
     return costs

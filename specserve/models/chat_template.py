@@ -15,10 +15,11 @@ run on into invented turns.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+
+from specserve.files import write_text_atomically
 
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
 EMBEDDED_DEFAULT_TEMPLATE = "question_answer.jinja"
@@ -61,12 +62,10 @@ def kept_gguf_chat_template(gguf_path: Path, directory: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     template = gguf_chat_template(gguf_path)
-    partial = kept.with_name(f"{kept.name}.{os.getpid()}.partial")
-    try:  # written aside, then renamed: a reader never sees half a file
-        partial.write_text(json.dumps({"template": template}), encoding="utf-8")
-        partial.replace(kept)
+    try:
+        write_text_atomically(kept, json.dumps({"template": template}))
     except OSError:  # a read-only cache: the next start reads the GGUF again
-        partial.unlink(missing_ok=True)
+        pass
     return template
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specserve.files import write_text_atomically
 from specserve.models import cpu_kernels, llama2c, quant
 from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
@@ -86,7 +87,7 @@ def default_dtype(device: str = "cpu") -> torch.dtype:
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     best = min(("bfloat16", "float32"), key=lambda name: _matmul_seconds(getattr(torch, name)))
-    record.write_text(json.dumps({"key": key, "dtype": best}))
+    write_text_atomically(record, json.dumps({"key": key, "dtype": best}))
     return getattr(torch, best)
 
 

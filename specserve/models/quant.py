@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from specserve.files import write_atomically
 from specserve.models import cpu_kernels
 
 TILE = 16  # outputs per kernel tile
@@ -315,9 +316,8 @@ def save_packed(weights: dict[str, PackedWeight], path) -> None:
     for name, w in weights.items():
         tensors.update({f"{name}.{f}": getattr(w, f) for f in _TENSOR_FIELDS if getattr(w, f) is not None})
         meta[name] = {f: getattr(w, f) for f in _META_FIELDS}
-    partial = f"{path}.partial"
-    save_file(tensors, partial, metadata={"specserve_packed": json.dumps(meta), "version": str(PACK_VERSION)})
-    os.replace(partial, path)
+    metadata = {"specserve_packed": json.dumps(meta), "version": str(PACK_VERSION)}
+    write_atomically(path, lambda partial: save_file(tensors, str(partial), metadata=metadata))
 
 
 def load_packed(path) -> dict[str, PackedWeight] | None:

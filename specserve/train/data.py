@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tqdm import tqdm
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
+from specserve.files import write_atomically
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.speculative.eagle import default_aux_layer_ids
@@ -50,10 +50,8 @@ def shard_path(directory: Path, index: int) -> Path:
 
 
 def atomic_save(obj, path: Path) -> None:
-    """Write to a temporary name, then rename: an interrupted run never leaves a half-written file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save, written aside and then renamed: an interrupted run never leaves a half-written file."""
+    write_atomically(path, lambda partial: torch.save(obj, partial))
 
 
 def check_manifest(directory: Path, settings: DataSettings) -> None:

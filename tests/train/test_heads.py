@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from specserve.files import PARTIAL_SUFFIX
 from specserve.train.data import build_dataset
 from specserve.train.heads import TrainSettings, build_module, train, write_head
 from specserve.train.run import evaluate
@@ -49,7 +50,7 @@ def test_resume_continues_bit_exactly(story_data, tmp_path):
                     progress=False)
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
-    assert not list(tmp_path.glob("**/*.tmp"))
+    assert not list(tmp_path.glob(f"**/*{PARTIAL_SUFFIX}"))
 
 
 def test_resume_refuses_other_settings_or_target(story_data, loaded, tmp_path):
