@@ -25,7 +25,7 @@ from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
 from tests.engine.test_batching import run_batched
-from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows
+from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows, seeded_outputs
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -346,12 +346,7 @@ def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
                                else STORY_PROMPTS[0])
     # a high temperature flattens the target, so drafts are often rejected and siblings resampled
     params = SamplingParams(temperature=3.0, top_k=2, max_tokens=3, ignore_eos=True)
-    counts: dict = {}
-    for seed in range(samples):
-        params.seed = seed
-        key = tuple(engine.generate(prompt_ids, params).token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    return counts, exact_joint(target, prompt_ids, params, 3)
+    return seeded_outputs(engine, prompt_ids, params, samples), exact_joint(target, prompt_ids, params, 3)
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "tree+lookup"])
