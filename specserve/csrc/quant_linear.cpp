@@ -275,12 +275,45 @@ SPECSERVE_AVX2 inline void prefetch_block(const Packed& W, int64_t at) {
   if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
 }
 
+// One weight block's half (its decoded codes w, magnitudes mag for 8 bits) against MR activation rows from m0.
 template <int BITS, int SUB, bool OFFS, int MR>
-SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+SPECSERVE_AVX2 inline void block_rows_avx2(const Packed& W, const Acts& X, int64_t at, int64_t kb, int h, int64_t m0,
+                                           const __m256i* w, const __m256i* mag, __m256 (&acc)[MR]) {
   constexpr int kGroups = 8 / SUB;
   constexpr int kRun = std::min(kGroups, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);
   const int64_t psum_stride = X.K / 16;
   const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < MR; ++i) {
+    const int64_t m = m0 + i;
+    const int8_t* p = X.p + m * X.K + kb * kBlock;
+    for (int sb = 0; sb < SUB; ++sb) {
+      __m256i isum = _mm256_setzero_si256();
+      for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
+        __m256i run = _mm256_setzero_si256();
+        for (int g = g0; g < g0 + kRun; ++g) {
+          int32_t four;
+          std::memcpy(&four, p + g * 4, 4);
+          const __m256i pv = _mm256_set1_epi32(four);
+          if constexpr (BITS == 8) run = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(pv, w[g]));
+          else run = _mm256_add_epi16(run, _mm256_maddubs_epi16(w[g], pv));
+        }
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(run, ones));
+      }
+      const int32_t psum = block_psum(X.psum16 + m * psum_stride + kb * 2, SUB, sb);
+      // isum - zero * psum, the same integer for 8 bits, whose isum already holds -128 psum
+      const int32_t shift = (BITS == 8 ? 128 - W.zero : -W.zero) * psum;
+      const int64_t si = (at * SUB + sb) * kTile + 8 * h;
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum, _mm256_set1_epi32(shift))),
+                               _mm256_loadu_ps(W.scales + si));
+      if constexpr (OFFS)
+        t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);
+      acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
+    }
+  }
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
   for (int h = 0; h < 2; ++h) {
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
@@ -289,33 +322,37 @@ SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int6
       if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
       __m256i w[8], mag[8];
       decode_half<BITS>(W, at, h, w, mag);
-      for (int i = 0; i < MR; ++i) {
-        const int64_t m = m0 + i;
-        const int8_t* p = X.p + m * X.K + kb * kBlock;
-        for (int sb = 0; sb < SUB; ++sb) {
-          __m256i isum = _mm256_setzero_si256();
-          for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
-            __m256i run = _mm256_setzero_si256();
-            for (int g = g0; g < g0 + kRun; ++g) {
-              int32_t four;
-              std::memcpy(&four, p + g * 4, 4);
-              const __m256i pv = _mm256_set1_epi32(four);
-              if constexpr (BITS == 8) run = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(pv, w[g]));
-              else run = _mm256_add_epi16(run, _mm256_maddubs_epi16(w[g], pv));
-            }
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(run, ones));
-          }
-          const int32_t psum = block_psum(X.psum16 + m * psum_stride + kb * 2, SUB, sb);
-          // isum - zero * psum, the same integer for 8 bits, whose isum already holds -128 psum
-          const int32_t shift = (BITS == 8 ? 128 - W.zero : -W.zero) * psum;
-          const int64_t si = (at * SUB + sb) * kTile + 8 * h;
-          __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum, _mm256_set1_epi32(shift))),
-                                   _mm256_loadu_ps(W.scales + si));
-          if constexpr (OFFS)
-            t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);
-          acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
-        }
-      }
+      block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, at, kb, h, m0, w, mag, acc);
+    }
+    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
+  }
+}
+
+// Calls with more rows than one pass takes (a prefill chunk, a large batch) would decode each block once per pass
+// of kMaxRows rows. For the 5- and 6-bit formats, whose bit planes cost ~6 instructions per group and plane to
+// expand, a tile is decoded once into `decoded` ([2 halves][K/32][8 groups], 32 bytes each), and every pass reads
+// it. The arithmetic per row is block_rows_avx2's either way.
+template <int BITS>
+SPECSERVE_AVX2 void decode_tile_avx2(const Packed& W, int64_t tile, __m256i* decoded) {
+  static_assert(BITS == 5 || BITS == 6, "only the plane formats pay for a decoded tile");
+  for (int h = 0; h < 2; ++h)
+    for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+      __m256i w[8], unused[8];
+      decode_half<BITS>(W, tile * W.kblocks + kb, h, w, unused);
+      for (int g = 0; g < 8; ++g) _mm256_storeu_si256(decoded + (h * W.kblocks + kb) * 8 + g, w[g]);
+    }
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX2 void decoded_tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
+                                      const __m256i* decoded) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+      __m256i w[8];
+      for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
+      block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, tile * W.kblocks + kb, kb, h, m0, w, w, acc);
     }
     for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
   }
@@ -363,6 +400,29 @@ std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
   if (W.bits == 5) return offs ? tiles_for<5, 1, true>(isa, rows) : tiles_for<5, 1, false>(isa, rows);
   if (W.bits == 6 && W.group == 16 && !offs) return tiles_for<6, 2, false>(isa, rows);
   return {};  // a combination no GGUF type or quantizer makes: the scalar path still computes it
+}
+
+using DecodedTileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*, const __m256i*);
+using DecodeFn = void (*)(const Packed&, int64_t, __m256i*);
+
+struct DecodedTiles {  // a plane format's AVX2 decode and its tile functions by row count; empty: none
+  DecodeFn decode = nullptr;
+  std::array<DecodedTileFn, kMaxRows + 1> rows{};
+};
+
+template <int BITS, int SUB, bool OFFS, int... MR>
+DecodedTiles decoded_for(std::integer_sequence<int, MR...>) {
+  return {decode_tile_avx2<BITS>, {nullptr, decoded_tile_avx2<BITS, SUB, OFFS, MR + 1>...}};
+}
+
+// Only where a call's rows take more than one pass (and the format has planes) does decoding once pay.
+DecodedTiles decoded_tiles(Isa isa, const Packed& W, int64_t M) {
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
+  if (isa != Isa::avx2 || M <= kMaxRows) return {};
+  const bool offs = W.offsets != nullptr;
+  if (W.bits == 5) return offs ? decoded_for<5, 1, true>(rows) : decoded_for<5, 1, false>(rows);
+  if (W.bits == 6 && W.group == 16 && !offs) return decoded_for<6, 2, false>(rows);
+  return {};
 }
 
 // p = round(x / dx) with dx = max|x| / 127 per block of 32; psum per 16. Row by row, in one fixed order. The
@@ -557,12 +617,16 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<Packed> W;
   std::vector<std::array<TileFn, kMaxRows + 1>> fns;
+  std::vector<DecodedTiles> decoded_fns;
+  int64_t decoded_kblocks = 0;  // the largest K/32 of the weights decoded once per tile
   std::vector<int64_t> column(parts + 1, 0);
   std::vector<std::pair<int, int64_t>> work;  // (weight, tile)
   for (size_t i = 0; i < parts; ++i) {
     W.push_back(packed_from(qs[i], planes[i], scales[i], offsets[i], N[i], bits[i], group[i], zero[i]));
     TORCH_CHECK(K == W[i].kblocks * kBlock, "x has K=", K, ", the weight ", W[i].kblocks * kBlock);
     fns.push_back(tiles(isa, W[i]));
+    decoded_fns.push_back(decoded_tiles(isa, W[i], M));
+    if (decoded_fns.back().decode) decoded_kblocks = std::max(decoded_kblocks, W[i].kblocks);
     column[i + 1] = column[i] + N[i];
     for (int64_t t = 0; t < W[i].tiles; ++t) work.emplace_back(int(i), t);
   }
@@ -593,12 +657,17 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
   specserve::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
     float block[kMaxRows * kTile];
+    std::vector<uint8_t> decoded_bytes(decoded_kblocks * 2 * 8 * sizeof(__m256i));
+    __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());  // read and written unaligned
     for (int64_t item = begin; item < end; ++item) {
       const auto [i, tile] = work[item];
       const Packed& w = W[i];
+      const DecodedTiles& once = decoded_fns[i];
+      if (once.decode) once.decode(w, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-        if (fns[i][mr]) fns[i][mr](w, X, tile, m0, block);
+        if (once.decode) once.rows[mr](w, X, tile, m0, block, decoded);
+        else if (fns[i][mr]) fns[i][mr](w, X, tile, m0, block);
         else tile_scalar(w, X, tile, m0, mr, block);
         const int64_t count = std::min<int64_t>(kTile, w.N - tile * kTile);
         for (int r = 0; r < mr; ++r)

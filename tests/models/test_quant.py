@@ -253,6 +253,7 @@ def test_extreme_codes_and_activations_sum_exactly_on_every_path(bits, group, ze
     x[2, 0::2] = -127.0
     x[3] = torch.arange(k) % 255 - 127.0  # every code from -127 to 127,
     x[3, ::32] = 127.0  # with 127 in each block, so its scale dx is 1 and its codes are x
+    x = x.repeat(3, 1)  # 12 rows, more than one pass takes: the 5- and 6-bit tiles are decoded once, then read
     exact = x.double() @ (torch.from_numpy(q.astype(np.float64)) - zero).T  # dx = 1: the integer sums themselves
     for isa in isa_paths():
         monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
