@@ -20,7 +20,7 @@ from specserve.speculative.registry import BY_NAME
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.suffix import ResponseCache, SuffixMethod, SuffixTrie
 from tests.engine.test_batching import PROMPTS, run_batched
-from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows
+from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows, seeded_outputs
 
 
 def draft(proposer, context, max_len=8) -> list[int]:
@@ -263,16 +263,15 @@ class Recording(SuffixMethod):
 
 def sample_with_suffix(target, samples: int = 2500, engine: Engine | None = None):
     """The first three tokens of `samples` seeded requests through one suffix engine (each request drafted from
-    the responses before it, trees with siblings), their exact target probabilities and how many drafted trees
-    branched."""
+    the responses that ended before it, trees with siblings; 16 requests at a time, as a server runs them), their
+    exact target probabilities and how many drafted trees branched."""
     method = Recording(max_spec_factor=4.0, min_token_prob=0.0, max_tree_depth=8)
     engine = engine or Engine(target, method, 3)
     prompt_ids = engine.encode("Once upon a time")
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=5, ignore_eos=True)
     counts = Counter()
-    for seed in range(samples):
-        params.seed = seed
-        counts[tuple(engine.generate(prompt_ids, params).token_ids[:3])] += 1
+    for output, count in seeded_outputs(engine, prompt_ids, params, samples).items():
+        counts[output[:3]] += count
     branched = sum(not tree.is_chain for tree in method.trees)
     return counts, exact_joint(target, prompt_ids, params, 3), branched
 
