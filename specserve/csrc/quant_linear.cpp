@@ -312,26 +312,39 @@ SPECSERVE_AVX2 inline void block_rows_avx2(const Packed& W, const Acts& X, int64
   }
 }
 
-template <int BITS, int SUB, bool OFFS, int MR>
-SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+// A tile's outputs for MR activation rows from m0. Each block half is decoded here, or, with `decoded`
+// (decode_tile_avx2's buffer), read from it; the arithmetic is block_rows_avx2's either way.
+template <int BITS, int SUB, bool OFFS, int MR, bool DECODED>
+SPECSERVE_AVX2 inline void tile_rows_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
+                                          const __m256i* decoded) {
+  static_assert(!DECODED || BITS != 8, "a decoded tile holds codes only, not the 8-bit magnitudes");
   for (int h = 0; h < 2; ++h) {
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < W.kblocks; ++kb) {
       const int64_t at = tile * W.kblocks + kb;
-      if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
       __m256i w[8], mag[8];
-      decode_half<BITS>(W, at, h, w, mag);
+      if constexpr (DECODED) {
+        for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
+      } else {
+        if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
+        decode_half<BITS>(W, at, h, w, mag);
+      }
       block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, at, kb, h, m0, w, mag, acc);
     }
     for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
   }
 }
 
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+  tile_rows_avx2<BITS, SUB, OFFS, MR, false>(W, X, tile, m0, out, nullptr);
+}
+
 // Calls with more rows than one pass takes (a prefill chunk, a large batch) would decode each block once per pass
 // of kMaxRows rows. For the 5- and 6-bit formats, whose bit planes cost ~6 instructions per group and plane to
 // expand, a tile is decoded once into `decoded` ([2 halves][K/32][8 groups], 32 bytes each), and every pass reads
-// it. The arithmetic per row is block_rows_avx2's either way.
+// it (tile_rows_avx2).
 template <int BITS>
 SPECSERVE_AVX2 void decode_tile_avx2(const Packed& W, int64_t tile, __m256i* decoded) {
   static_assert(BITS == 5 || BITS == 6, "only the plane formats pay for a decoded tile");
@@ -346,16 +359,7 @@ SPECSERVE_AVX2 void decode_tile_avx2(const Packed& W, int64_t tile, __m256i* dec
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 void decoded_tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
                                       const __m256i* decoded) {
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t kb = 0; kb < W.kblocks; ++kb) {
-      __m256i w[8];
-      for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
-      block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, tile * W.kblocks + kb, kb, h, m0, w, w, acc);
-    }
-    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
-  }
+  tile_rows_avx2<BITS, SUB, OFFS, MR, true>(W, X, tile, m0, out, decoded);
 }
 
 // ---------------------------------------------------------------- dispatch
