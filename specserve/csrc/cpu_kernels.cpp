@@ -196,35 +196,47 @@ inline void widen(const bf16* src, float* dst, int64_t n) {  // n a multiple of 
   for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
 }
 
-// dot_f32's lanes: lane l takes fma(a[d], b[d]) for d = l, l + 16, ... (lanes 0..7 in lo, 8..15 in hi). One row of
-// a at a time keeps the accumulators in the 16 registers; b stays in L1 between rows.
+// dot_f32's lanes: lane l takes fma(a[d], b[d]) for d = l, l + 16, ... (lanes 0..7 in lo, 8..15 in hi). One key of
+// b at a time: it is widened once and every row of a (the heads sharing it) takes it, which keeps the MR x 2
+// accumulators and the widened key in the 16 registers.
 template <int MR, int NR>
 void dot_f32(const float* const* a, const bf16* const* b, int64_t D, float* out) {
-  for (int i = 0; i < MR; ++i) {
-    __m256 lo[NR], hi[NR];
-    for (int j = 0; j < NR; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int j = 0; j < NR; ++j) {
+    __m256 lo[MR], hi[MR];
+    for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256 a0 = _mm256_loadu_ps(a[i] + d), a1 = _mm256_loadu_ps(a[i] + d + 8);
-      for (int j = 0; j < NR; ++j) {
-        lo[j] = _mm256_fmadd_ps(a0, load_bf16x8(b[j] + d), lo[j]);
-        hi[j] = _mm256_fmadd_ps(a1, load_bf16x8(b[j] + d + 8), hi[j]);
+      const __m256 b0 = load_bf16x8(b[j] + d), b1 = load_bf16x8(b[j] + d + 8);
+      for (int i = 0; i < MR; ++i) {
+        lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + d), b0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(a[i] + d + 8), b1, hi[i]);
       }
     }
-    for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum16(lo[j], hi[j]);
+    for (int i = 0; i < MR; ++i) out[i * NR + j] = hsum16(lo[i], hi[i]);
   }
 }
 
-// add_rows: every element its own chain of fmas over j in order, so the lane width does not matter.
+// add_rows: every element its own chain of fmas over j in order, so the lane width does not matter. Per 16
+// elements, each value row is widened once and every row of acc (the heads sharing it) takes it.
 template <int MR, int V>
 void add_rows(float* acc, int64_t stride, const bf16* const* v, int64_t d, const float* const* p, int n) {
-  for (int i = 0; i < MR; ++i) {
-    __m256 sum[2 * V];
-    for (int e = 0; e < 2 * V; ++e) sum[e] = _mm256_loadu_ps(acc + i * stride + 8 * e);
-    for (int j = 0; j < n; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[i][j]);
-      for (int e = 0; e < 2 * V; ++e) sum[e] = _mm256_fmadd_ps(pj, load_bf16x8(v[j] + d + 8 * e), sum[e]);
+  for (int e = 0; e < 2 * V; e += 2) {
+    __m256 lo[MR], hi[MR];
+    for (int i = 0; i < MR; ++i) {
+      lo[i] = _mm256_loadu_ps(acc + i * stride + 8 * e);
+      hi[i] = _mm256_loadu_ps(acc + i * stride + 8 * e + 8);
     }
-    for (int e = 0; e < 2 * V; ++e) _mm256_storeu_ps(acc + i * stride + 8 * e, sum[e]);
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = load_bf16x8(v[j] + d + 8 * e), v1 = load_bf16x8(v[j] + d + 8 * e + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 pj = _mm256_set1_ps(p[i][j]);
+        lo[i] = _mm256_fmadd_ps(pj, v0, lo[i]);
+        hi[i] = _mm256_fmadd_ps(pj, v1, hi[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_ps(acc + i * stride + 8 * e, lo[i]);
+      _mm256_storeu_ps(acc + i * stride + 8 * e + 8, hi[i]);
+    }
   }
 }
 

@@ -13,8 +13,9 @@
 //   qs      uint8  [tiles, K/32, 512]  8 bits: groups g = 0..7 of 4 inputs, each [16 outputs][4 inputs]
 //                  [tiles, K/32, 256]  4..6 bits: chunk c = 0..3 of 64 bytes holds group c (low nibble) and
 //                                      group c + 4 (high nibble), each byte at [output * 4 + input]
-//   planes uint8   [tiles, K/32, P, 8, 8]  bit 4 + p of q for group g: a 64-bit little-endian mask over the
-//                                      group's 64 bytes (P = bits - 4, 5- and 6-bit formats)
+//   planes uint8   [tiles, K/32, P, 64]  plane p, byte j: bit g is bit 4 + p of group g's code at byte j
+//                                      (P = bits - 4, 5- and 6-bit formats); a half tile's plane is one 32-byte
+//                                      load, and a group's bits come out of it with a shift and a mask
 //   scales float   [tiles, K/32, 32/G, 16], offsets (optional) the same; G = 16 or 32.
 
 #include <torch/extension.h>
@@ -98,8 +99,7 @@ inline int unpack_q(const Packed& W, int64_t tile, int64_t kb, int g, int byte) 
     const uint8_t v = qs[(g & 3) * 64 + byte];
     q = g < 4 ? (v & 15) : (v >> 4);
     const uint8_t* pl = W.planes + (tile * W.kblocks + kb) * W.planes_count() * 64;
-    for (int p = 0; p < W.planes_count(); ++p)
-      q |= ((pl[p * 64 + g * 8 + byte / 8] >> (byte % 8)) & 1) << (4 + p);
+    for (int p = 0; p < W.planes_count(); ++p) q |= ((pl[p * 64 + byte] >> g) & 1) << (4 + p);
   }
   return q;
 }
@@ -151,12 +151,9 @@ SPECSERVE_AVX512 inline void load_groups512(const Packed& W, int64_t at, __m512i
     }
     const uint8_t* pl = W.planes + at * (BITS - 4) * 64;
     for (int p = 0; p < BITS - 4; ++p) {
-      const __m512i bit = _mm512_set1_epi8(char(1 << (4 + p)));
-      for (int g = 0; g < 8; ++g) {
-        uint64_t mask;
-        std::memcpy(&mask, pl + p * 64 + g * 8, 8);
-        w[g] = _mm512_mask_add_epi8(w[g], __mmask64(mask), w[g], bit);
-      }
+      const __m512i plane = _mm512_loadu_si512(pl + p * 64), bit = _mm512_set1_epi8(char(1 << (4 + p)));
+      for (int g = 0; g < 8; ++g)
+        w[g] = _mm512_mask_add_epi8(w[g], _mm512_test_epi8_mask(plane, _mm512_set1_epi8(char(1 << g))), w[g], bit);
     }
   }
 }
@@ -215,13 +212,20 @@ SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, 
 
 #define SPECSERVE_AVX2 __attribute__((target("avx2,fma")))
 
-SPECSERVE_AVX2 inline __m256i expand_bits32(uint32_t bits) {  // bit j -> byte j = 0xFF or 0
-  const __m256i shuffle = _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
-                                             0x0303030303030303);
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);
-  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuffle);
-  v = _mm256_and_si256(v, select);
-  return _mm256_cmpeq_epi8(v, select);
+// Bit g of every byte of `plane` moved to bit T (the other bits cleared). The shift is per 16-bit lane: a bit it
+// carries across the lane's byte boundary lands below bit T (left shifts) or above it (right shifts), so the mask
+// drops it.
+template <int G, int T>
+SPECSERVE_AVX2 inline __m256i plane_bit(__m256i plane) {
+  __m256i moved;
+  if constexpr (T >= G) moved = _mm256_slli_epi16(plane, T - G);
+  else moved = _mm256_srli_epi16(plane, G - T);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(char(1 << T)));
+}
+
+template <int T, int... G>
+SPECSERVE_AVX2 inline void add_plane(__m256i plane, __m256i (&w)[8], std::integer_sequence<int, G...>) {
+  ((w[G] = _mm256_or_si256(w[G], plane_bit<G, T>(plane))), ...);
 }
 
 // w[g]: group g's half h (outputs 8h .. 8h + 7) as 32 bytes: the codes, or for 8 bits q - 128 as int8 with its
@@ -241,14 +245,11 @@ SPECSERVE_AVX2 inline void decode_half(const Packed& W, int64_t at, int h, __m25
       w[c] = _mm256_and_si256(v, low);
       w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
     }
-    const uint8_t* pl = W.planes + at * (BITS - 4) * 64;
-    for (int p = 0; p < BITS - 4; ++p) {
-      const __m256i bit = _mm256_set1_epi8(char(1 << (4 + p)));
-      for (int g = 0; g < 8; ++g) {
-        uint32_t mask;
-        std::memcpy(&mask, pl + p * 64 + g * 8 + h * 4, 4);
-        w[g] = _mm256_or_si256(w[g], _mm256_and_si256(expand_bits32(mask), bit));
-      }
+    if constexpr (BITS > 4) {
+      const uint8_t* pl = W.planes + at * (BITS - 4) * 64 + h * 32;
+      const auto groups = std::make_integer_sequence<int, 8>{};
+      add_plane<4>(_mm256_loadu_si256((const __m256i*)pl), w, groups);
+      if constexpr (BITS == 6) add_plane<5>(_mm256_loadu_si256((const __m256i*)(pl + 64)), w, groups);
     }
   }
 }
@@ -342,7 +343,7 @@ SPECSERVE_AVX2 void tile_avx2(const Packed& W, const Acts& X, int64_t tile, int6
 }
 
 // Calls with more rows than one pass takes (a prefill chunk, a large batch) would decode each block once per pass
-// of kMaxRows rows. For the 5- and 6-bit formats, whose bit planes cost ~6 instructions per group and plane to
+// of kMaxRows rows. For the 5- and 6-bit formats, whose bit planes cost 3 instructions per group and plane to
 // expand, a tile is decoded once into `decoded` ([2 halves][K/32][8 groups], 32 bytes each), and every pass reads
 // it (tile_rows_avx2).
 template <int BITS>
@@ -586,7 +587,7 @@ Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes
   if (W.planes_count() > 0) {
     TORCH_CHECK(planes.has_value() && planes->dtype() == at::kByte && planes->is_contiguous() &&
                     planes->numel() == W.tiles * W.kblocks * W.planes_count() * 64,
-                "planes: contiguous uint8 [tiles, K/32, bits - 4, 8, 8]");
+                "planes: contiguous uint8 [tiles, K/32, bits - 4, 64]");
     W.planes = planes->data_ptr<uint8_t>();
   }
   const int64_t scale_count = W.tiles * W.kblocks * W.subblocks() * kTile;

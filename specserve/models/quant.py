@@ -179,7 +179,7 @@ class PackedWeight:
     """A weight in the kernel's layout (see quant_linear.cpp); N padded to whole tiles with zero scales."""
 
     qs: torch.Tensor  # uint8 [tiles, K/32, 512 (8 bits) or 256 (4..6 bits)]
-    planes: torch.Tensor | None  # uint8 [tiles, K/32, bits - 4, 8, 8], 5- and 6-bit formats
+    planes: torch.Tensor | None  # uint8 [tiles, K/32, bits - 4, 64], 5- and 6-bit formats
     scales: torch.Tensor  # float32 [tiles, K/32, 32/group, 16]
     offsets: torch.Tensor | None  # float32, like scales
     out_features: int
@@ -204,9 +204,10 @@ class PackedWeight:
         else:
             low = groups & 15
             qs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(tiles, k // BLOCK, 256)
-            if codes.bits > 4:
-                bits = [(groups >> (4 + p)) & 1 for p in range(codes.bits - 4)]
-                planes = np.stack([np.packbits(b, axis=-1, bitorder="little") for b in bits], axis=2)
+            if codes.bits > 4:  # plane p, byte j: bit g is bit 4 + p of group g's code at position j
+                weights = (1 << np.arange(8, dtype=np.uint8))[:, None]
+                planes = np.stack([(((groups >> (4 + p)) & 1) * weights).sum(axis=2, dtype=np.uint8)
+                                   for p in range(codes.bits - 4)], axis=2)
 
         def per_tile(values: np.ndarray | None) -> torch.Tensor | None:
             if values is None:
@@ -302,7 +303,7 @@ class PackedWeight:
         return self.rows(torch.arange(self.out_features))
 
 
-PACK_VERSION = 1  # bump when the packed layout changes: cached files of another version are ignored
+PACK_VERSION = 2  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind")
 
 
