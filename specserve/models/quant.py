@@ -205,8 +205,8 @@ class PackedWeight:
             low = groups & 15
             qs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(tiles, k // BLOCK, 256)
             if codes.bits > 4:  # plane p, byte j: bit g is bit 4 + p of group g's code at position j
-                weights = (1 << np.arange(8, dtype=np.uint8))[:, None]
-                planes = np.stack([(((groups >> (4 + p)) & 1) * weights).sum(axis=2, dtype=np.uint8)
+                group_bit = (1 << np.arange(8, dtype=np.uint8))[:, None]
+                planes = np.stack([(((groups >> (4 + p)) & 1) * group_bit).sum(axis=2, dtype=np.uint8)
                                    for p in range(codes.bits - 4)], axis=2)
 
         def per_tile(values: np.ndarray | None) -> torch.Tensor | None:
