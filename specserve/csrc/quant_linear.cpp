@@ -223,6 +223,7 @@ SPECSERVE_AVX2 inline __m256i plane_bit(__m256i plane) {
   return _mm256_and_si256(moved, _mm256_set1_epi8(char(1 << T)));
 }
 
+// Each w[g] gets bit g of `plane`'s bytes as its bit T (the plane's bit 4 + p: T = 4 + p).
 template <int T, int... G>
 SPECSERVE_AVX2 inline void add_plane(__m256i plane, __m256i (&w)[8], std::integer_sequence<int, G...>) {
   ((w[G] = _mm256_or_si256(w[G], plane_bit<G, T>(plane))), ...);
