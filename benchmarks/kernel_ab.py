@@ -1,0 +1,145 @@
+"""Another build of a kernel source against this checkout's, in one process, builds alternated (docs/benchmarks.md).
+
+    git show <rev>:specserve/csrc/cpu_kernels.cpp > /tmp/old/cpu_kernels.cpp
+    python benchmarks/kernel_ab.py attention /tmp/old/cpu_kernels.cpp
+    git show <rev>:specserve/csrc/quant_linear.cpp > /tmp/old/quant_linear.cpp
+    python benchmarks/kernel_ab.py forward /tmp/old/quant_linear.cpp
+
+`attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
+8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
+`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, and
+the lm_head alone at 1, 5 and 8 rows; the logits of a 64-token forward checked bit-identical. Only for a
+quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
+
+Each case reports the median over `--rounds` of the median of a few timed calls; the machine's noise between runs
+is larger than between the two builds of one run, which is why they alternate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[1] / "specserve" / "csrc"
+ATTENTION_SHAPES = ((1, 4, 1, 200), (1, 4, 5, 200), (1, 4, 8, 1000), (8, 4, 4, 300), (2, 3, 3, 50), (1, 8, 2, 100))
+
+
+def build(kind: str, source: Path):
+    """The other build, compiled from a copy of `source` next to this checkout's headers."""
+    from torch.utils.cpp_extension import load
+
+    folder = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
+    shutil.copy(CSRC / "fp_mode.h", folder)
+    shutil.copy(source, folder / source.name)
+    flags = ["-O3", "-march=native"] if kind == "attention" else ["-O3", "-ffp-contract=off"]
+    return load(name=f"kernel_ab_{kind}", sources=[str(folder / source.name)], extra_cflags=[*flags, "-fopenmp"],
+                extra_ldflags=["-fopenmp"], build_directory=str(folder))
+
+
+def timed(run, calls: int) -> float:
+    run()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare(cases: dict, use, rounds: int, calls: int) -> None:
+    """cases: name -> callable; use(name) switches to build 'other' or 'this'."""
+    results: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(rounds):
+        for build_name in ("other", "this") if round_ % 2 == 0 else ("this", "other"):
+            use(build_name)
+            for name, run in cases.items():
+                results.setdefault((name, build_name), []).append(timed(run, calls))
+    for name in cases:
+        other, this = (statistics.median(results[(name, b)]) for b in ("other", "this"))
+        print(f"{name}: other {other * 1e3:.3f} ms, this {this * 1e3:.3f} ms -> this is {other / this:.3f}x")
+
+
+def attention_cases(other, this, rounds: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    cases = {}
+    for batch, heads, rows, context in ATTENTION_SHAPES:
+        keys = context + rows
+        q = torch.randn(batch, heads, rows, 256, generator=generator).bfloat16()
+        k = torch.randn(batch, 1 if heads <= 4 else 2, keys, 256, generator=generator).bfloat16()
+        v = torch.randn(k.shape, generator=generator).bfloat16()
+        causal = torch.ones(rows, keys, dtype=torch.bool).tril(diagonal=context)[None, None]
+        mask = (torch.rand(batch, 1, rows, keys, generator=generator) > 0.3) & causal
+        args = (q, k, v, mask, 0.0625)
+        assert torch.equal(other.decode_attention(*args), this.decode_attention(*args)), "outputs differ"
+        cases[f"B{batch} H{heads} T{rows} context {context}"] = args
+    print("outputs bit-identical on", len(cases), "shapes")
+    current = {}
+    runs = {name: (lambda args=args: current["kernels"].decode_attention(*args)) for name, args in cases.items()}
+    compare(runs, lambda name: current.update(kernels=other if name == "other" else this), rounds, calls=20)
+
+
+def forward_cases(other, rounds: int) -> None:
+    from specserve.models import quant
+    from specserve.models.kernel_forward import kernel_plan
+    from specserve.models.kv_cache import KVCache
+    from specserve.models.loader import load_model
+
+    this = quant._kernel()
+    model = load_model().model
+    plan = kernel_plan(model)
+
+    def use(name: str) -> None:
+        quant._ext = other if name == "other" else this
+        plan._stack = None  # the layer loop holds the kernel it was made with
+
+    no_logits = torch.empty(1, 0, dtype=torch.long)
+
+    def forward(rows: int, logits: bool, context: int = 200):
+        cache = KVCache.for_model(model, 1, context + rows + 1)
+        positions = torch.arange(context)[None]
+        model(torch.randint(0, 1000, (1, context)), positions, cache, positions, logits_rows=no_logits)
+        cache.lengths[0] = context
+        tokens, at = torch.zeros(1, rows, dtype=torch.long), torch.arange(context, context + rows)[None]
+        return lambda: model(tokens, at, cache, at, logits_rows=None if logits else no_logits)
+
+    cases = {f"forward {rows} rows{' + lm_head' if logits else ''}": forward(rows, logits)
+             for rows in (1, 5) for logits in (False, True)}
+    for rows in (1, 5, 8):
+        hidden = torch.randn(rows, model.spec.hidden_size).bfloat16()
+        cases[f"lm_head {rows} rows"] = lambda hidden=hidden: model.logits(hidden, True)
+    logits = {}
+    for name in ("other", "this"):
+        use(name)
+        cache = KVCache.for_model(model, 1, 80)
+        positions = torch.arange(64)[None]
+        logits[name] = model(positions + 100, positions, cache, positions).logits
+    assert torch.equal(logits["other"], logits["this"]), "logits differ"
+    print("64-token logits bit-identical")
+    compare(cases, use, rounds, calls=5)
+    use("this")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=("attention", "forward"))
+    parser.add_argument("source", type=Path, help="the other build's cpu_kernels.cpp (attention) or "
+                                                  "quant_linear.cpp (forward)")
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    other = build(args.kind, args.source)
+    if args.kind == "attention":
+        from specserve.models import cpu_kernels
+
+        attention_cases(other, cpu_kernels._require(), args.rounds)
+    else:
+        forward_cases(other, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
