@@ -60,6 +60,9 @@ struct Acts {  // quantized activation rows
   const float* dx;  // [M, K/32]
   const int32_t* psum16;  // [M, K/16]
   int64_t K;
+  // greedy screening only (screen_argmax): per row and block, dx * 3.5 * psum and dx * 3.5 * sum |p|
+  const float* center = nullptr;
+  const float* radius = nullptr;
   const struct Lanes* lanes = nullptr;  // the same rows interleaved (AVX-512 path)
 };
 
@@ -127,6 +130,37 @@ void tile_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int m
       out[i * kTile + n] = acc;
     }
   }
+}
+
+// screen_argmax's bounds of one tile for mr rows from m0 (the math is there), from the screen's own products a
+// ([mr][16]: quant_linear's numbers for the 5-bit weight, i.e. A / 8): mid = 8 a + center and rad. Writes each
+// output's upper bound mid + rad * slack to top ([mr][16]); raises lower[m] to the row's best lower bound
+// mid - rad * slack over the tile's first `count` outputs, and sets broken[m] where a bound is not finite.
+struct ScreenFold {
+  float slack;
+  float* lower;  // [M]
+  char* broken;  // [M]
+};
+
+inline void fold_output(const ScreenFold& fold, int64_t m, float center, float radius, float* top) {
+  *top = std::fma(radius, fold.slack, center);
+  if (!std::isfinite(center) || !std::isfinite(radius)) fold.broken[m] = 1;
+  else fold.lower[m] = std::max(fold.lower[m], std::fma(-radius, fold.slack, center));
+}
+
+void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int mr, const float* a, int count,
+                          const ScreenFold& fold, float* top) {
+  for (int i = 0; i < mr; ++i)
+    for (int n = 0; n < count; ++n) {
+      float center = 0.f, radius = 0.f;
+      for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+        const float s = W.scales[(tile * W.kblocks + kb) * kTile + n];
+        const int64_t b = (m0 + i) * W.kblocks + kb;
+        center = std::fma(s, X.center[b], center);
+        radius = std::fma(std::fabs(s), X.radius[b], radius);
+      }
+      fold_output(fold, m0 + i, std::fma(a[i * kTile + n], 8.f, center), radius, top + i * kTile + n);
+    }
 }
 
 // The vector paths are templated on the format (BITS, SUB = 32 / group, OFFS = has offsets) and the number of
@@ -277,30 +311,39 @@ SPECSERVE_AVX2 inline void prefetch_block(const Packed& W, int64_t at) {
   if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
 }
 
-// One weight block's half (its decoded codes w, magnitudes mag for 8 bits) against MR activation rows from m0.
+// Row m's integer sums over one weight block's half (its decoded codes w, magnitudes mag for 8 bits), sub-block sb:
+// sum q p per output, or sum (q - 128) p for 8 bits.
+template <int BITS, int SUB>
+SPECSERVE_AVX2 inline __m256i block_isum_avx2(const Acts& X, int64_t kb, int64_t m, int sb, const __m256i* w,
+                                              const __m256i* mag) {
+  constexpr int kGroups = 8 / SUB;
+  constexpr int kRun = std::min(kGroups, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* p = X.p + m * X.K + kb * kBlock;
+  __m256i isum = _mm256_setzero_si256();
+  for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
+    __m256i run = _mm256_setzero_si256();
+    for (int g = g0; g < g0 + kRun; ++g) {
+      int32_t four;
+      std::memcpy(&four, p + g * 4, 4);
+      const __m256i pv = _mm256_set1_epi32(four);
+      if constexpr (BITS == 8) run = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(pv, w[g]));
+      else run = _mm256_add_epi16(run, _mm256_maddubs_epi16(w[g], pv));
+    }
+    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(run, ones));
+  }
+  return isum;
+}
+
+// One weight block's half against MR activation rows from m0.
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 inline void block_rows_avx2(const Packed& W, const Acts& X, int64_t at, int64_t kb, int h, int64_t m0,
                                            const __m256i* w, const __m256i* mag, __m256 (&acc)[MR]) {
-  constexpr int kGroups = 8 / SUB;
-  constexpr int kRun = std::min(kGroups, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);
   const int64_t psum_stride = X.K / 16;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int i = 0; i < MR; ++i) {
     const int64_t m = m0 + i;
-    const int8_t* p = X.p + m * X.K + kb * kBlock;
     for (int sb = 0; sb < SUB; ++sb) {
-      __m256i isum = _mm256_setzero_si256();
-      for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
-        __m256i run = _mm256_setzero_si256();
-        for (int g = g0; g < g0 + kRun; ++g) {
-          int32_t four;
-          std::memcpy(&four, p + g * 4, 4);
-          const __m256i pv = _mm256_set1_epi32(four);
-          if constexpr (BITS == 8) run = _mm256_maddubs_epi16(mag[g], _mm256_sign_epi8(pv, w[g]));
-          else run = _mm256_add_epi16(run, _mm256_maddubs_epi16(w[g], pv));
-        }
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(run, ones));
-      }
+      const __m256i isum = block_isum_avx2<BITS, SUB>(X, kb, m, sb, w, mag);
       const int32_t psum = block_psum(X.psum16 + m * psum_stride + kb * 2, SUB, sb);
       // isum - zero * psum, the same integer for 8 bits, whose isum already holds -128 psum
       const int32_t shift = (BITS == 8 ? 128 - W.zero : -W.zero) * psum;
@@ -362,6 +405,65 @@ template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 void decoded_tile_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
                                       const __m256i* decoded) {
   tile_rows_avx2<BITS, SUB, OFFS, MR, true>(W, X, tile, m0, out, decoded);
+}
+
+// screen_bounds_scalar's numbers, in the same order of operations; two rows at a time, so that eight fma chains
+// (two rows, two halves, center and radius) hide each other's latency.
+template <int R>
+SPECSERVE_AVX2 inline void screen_bounds_rows_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m,
+                                                   const float* a, const ScreenFold& fold, float* top) {
+  const __m256 sign = _mm256_set1_ps(-0.f), eight = _mm256_set1_ps(8.f), slack = _mm256_set1_ps(fold.slack);
+  __m256 center[R][2], radius[R][2];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) center[i][h] = radius[i][h] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+    const float* scales = W.scales + (tile * W.kblocks + kb) * kTile;
+    const __m256 s[2] = {_mm256_loadu_ps(scales), _mm256_loadu_ps(scales + 8)};
+    for (int i = 0; i < R; ++i) {
+      const int64_t b = (m + i) * W.kblocks + kb;
+      const __m256 c = _mm256_set1_ps(X.center[b]), r = _mm256_set1_ps(X.radius[b]);
+      for (int h = 0; h < 2; ++h) {
+        center[i][h] = _mm256_fmadd_ps(s[h], c, center[i][h]);
+        radius[i][h] = _mm256_fmadd_ps(_mm256_andnot_ps(sign, s[h]), r, radius[i][h]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    __m256 best = _mm256_set1_ps(-INFINITY), checks = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256 c = _mm256_fmadd_ps(_mm256_loadu_ps(a + i * kTile + 8 * h), eight, center[i][h]);
+      _mm256_storeu_ps(top + i * kTile + 8 * h, _mm256_fmadd_ps(radius[i][h], slack, c));
+      best = _mm256_max_ps(best, _mm256_fnmadd_ps(radius[i][h], slack, c));
+      // c * 0 + r * 0 is NaN exactly where c or r is not finite
+      checks = _mm256_add_ps(checks, _mm256_add_ps(_mm256_mul_ps(c, _mm256_setzero_ps()),
+                                                   _mm256_mul_ps(radius[i][h], _mm256_setzero_ps())));
+    }
+    alignas(32) float lanes[8], nan[8];
+    _mm256_store_ps(lanes, best);
+    _mm256_store_ps(nan, checks);
+    for (int j = 0; j < 8; ++j) {
+      if (nan[j] != 0.f) fold.broken[m + i] = 1;  // NaN compares unequal to 0
+      fold.lower[m + i] = std::max(fold.lower[m + i], lanes[j]);
+    }
+  }
+}
+
+// A tile whose outputs all exist; screen_bounds_scalar takes the last, partial one.
+SPECSERVE_AVX2 void screen_bounds_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int mr, const float* a,
+                                       const ScreenFold& fold, float* top) {
+  int i = 0;
+  for (; i + 2 <= mr; i += 2) screen_bounds_rows_avx2<2>(W, X, tile, m0 + i, a + i * kTile, fold, top + i * kTile);
+  if (i < mr) screen_bounds_rows_avx2<1>(W, X, tile, m0 + i, a + i * kTile, fold, top + i * kTile);
+}
+
+// Whether any of a full tile's upper bounds top ([rows][16]) reaches its row's lower bound.
+SPECSERVE_AVX2 bool reaches_avx2(const float* top, int64_t rows, const float* lower) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256 floor = _mm256_set1_ps(lower[m]);
+    for (int h = 0; h < 16; h += 8)
+      if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(top + m * kTile + h), floor, _CMP_GE_OQ))) return true;
+  }
+  return false;
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -689,6 +791,141 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   return y;
 }
 
+// ---------------------------------------------------------------- greedy screening of an 8-bit lm_head
+//
+// Greedy decoding needs each row's argmax of y = x @ W.T, not y. For an 8-bit weight (Q8_0, int8: codes q with
+// zero 128, one scale s per block of 32) write q = 8 qh + ql with qh = q >> 3 (5 bits) and ql in 0..7. Per
+// block b of the row (dx, p as quant_linear quantizes it):
+//   y[n] = sum_b dx_b s_nb (sum q p - 128 psum_b)
+//        = sum_b 8 dx_b s_nb (sum qh p - 16 psum_b)  +  sum_b dx_b s_nb sum ql p
+// The first sum (A) is the product with a 5-bit weight, the screen: qh packed as Q5_0 (zero 16), which reads 20 of
+// a block's 32 code bytes. In the second, sum ql p lies in [7 sum p-, 7 sum p+] = 3.5 psum_b +- 3.5 sum |p|, so
+//   |y[n] - mid[n]| <= rad[n],   mid = A + sum_b s_nb dx_b 3.5 psum_b,   rad = sum_b |s_nb| dx_b 3.5 sum |p|.
+// The argmax is among the outputs whose mid + rad reaches the row's best mid - rad (the exact bound of each block,
+// not a looser per-row one: that kept most of the vocabulary). Only their tiles are computed exactly, by
+// quant_linear's own tile functions, so the logits compared are quant_linear's bit for bit and the answer is
+// torch.argmax's over them: the first maximum, or the first NaN. Every term of y, A or the center is at most 128 / 3.5
+// times its radius term, so the fp32 rounding of all the sums (one or two per block and term) stays below
+// 2^-24 * 512 (K/32 + 2) * rad: rad is widened by that much (`slack`). A row with a non-finite bound has all its
+// tiles computed.
+
+template <typename T>
+void screen_terms(const T* x, int64_t M, int64_t K, Isa isa, std::vector<int8_t>& p, std::vector<float>& dx,
+                  std::vector<int32_t>& psum16, std::vector<float>& center, std::vector<float>& radius) {
+  quantize_rows(isa, x, M, K, p.data(), dx.data(), psum16.data());
+  for (int64_t b = 0; b < M * (K / kBlock); ++b) {
+    int32_t magnitude = 0;
+    for (int k = 0; k < kBlock; ++k) magnitude += std::abs(int32_t(p[b * kBlock + k]));
+    center[b] = dx[b] * 3.5f * float(psum16[2 * b] + psum16[2 * b + 1]);
+    radius[b] = dx[b] * 3.5f * float(magnitude);
+  }
+}
+
+at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, const at::Tensor& screen_planes,
+                         const at::Tensor& qs, const at::Tensor& scales, int64_t N, const std::string& isa_name) {
+  Isa isa = parse_isa(isa_name);
+  if (isa == Isa::avx512) isa = Isa::avx2;  // no AVX-512 screen tile; the AVX2 tiles give the same logits
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  const Packed S = packed_from(screen_qs, screen_planes, scales, std::nullopt, N, 5, 32, 16);
+  const Packed W = packed_from(qs, std::nullopt, scales, std::nullopt, N, 8, 32, 128);
+  TORCH_CHECK(S.tiles == W.tiles && S.kblocks == W.kblocks, "the screen and the weight differ in shape");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), kblocks = K / kBlock;
+  TORCH_CHECK(K == W.kblocks * kBlock, "x has K=", K, ", the weight ", W.kblocks * kBlock);
+  std::vector<int8_t> p(M * K);
+  std::vector<float> dx(M * kblocks), center(M * kblocks), radius(M * kblocks);
+  std::vector<int32_t> psum16(M * (K / 16));
+  if (x.scalar_type() == at::kFloat) screen_terms(x.data_ptr<float>(), M, K, isa, p, dx, psum16, center, radius);
+  else screen_terms(x.data_ptr<at::BFloat16>(), M, K, isa, p, dx, psum16, center, radius);
+  Acts X{p.data(), dx.data(), psum16.data(), K};
+  X.center = center.data();
+  X.radius = radius.data();
+  const float slack = 1.f + 512.f * float(kblocks + 2) / float(1 << 24);
+  const auto screen_fns = tiles(isa, S);
+  const DecodedTiles screen_once = decoded_tiles(isa, S, M);
+  const int64_t decoded_blocks = screen_once.decode ? S.kblocks : 0;
+  const auto count = [&](int64_t tile) { return int(std::min<int64_t>(kTile, N - tile * kTile)); };
+
+  // each output's upper bound ([tile][m][16]), and each row's best lower bound and non-finite flag per thread
+  std::vector<float> top(W.tiles * M * kTile);
+  const int threads = at::get_num_threads() + 1;
+  std::vector<float> lower(threads * M, -INFINITY);
+  std::vector<char> bad(threads * M, 0);
+  specserve::parallel_for(0, W.tiles, 1, [&](int64_t begin, int64_t end) {
+    const ScreenFold fold{slack, lower.data() + at::get_thread_num() * M, bad.data() + at::get_thread_num() * M};
+    float block[kMaxRows * kTile];
+    std::vector<uint8_t> decoded_bytes(decoded_blocks * 2 * 8 * sizeof(__m256i));
+    __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());
+    for (int64_t tile = begin; tile < end; ++tile) {
+      if (screen_once.decode) screen_once.decode(S, tile, decoded);
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
+        float* bounds = top.data() + (tile * M + m0) * kTile;
+        if (screen_once.decode) screen_once.rows[mr](S, X, tile, m0, block, decoded);
+        else if (screen_fns[mr]) screen_fns[mr](S, X, tile, m0, block);
+        else tile_scalar(S, X, tile, m0, mr, block);
+        if (isa == Isa::avx2 && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
+        else screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
+      }
+    }
+  });
+  for (int t = 1; t < threads; ++t)
+    for (int64_t m = 0; m < M; ++m) {
+      lower[m] = std::max(lower[m], lower[t * M + m]);
+      bad[m] |= bad[t * M + m];
+    }
+
+  // the tiles holding any row's candidates
+  const bool any_bad = std::any_of(bad.begin(), bad.begin() + M, [](char b) { return b != 0; });
+  std::vector<char> wanted(W.tiles, 0);
+  specserve::parallel_for(0, W.tiles, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const float* bounds = top.data() + tile * M * kTile;
+      if (isa == Isa::avx2 && count(tile) == kTile) {
+        wanted[tile] = any_bad || reaches_avx2(bounds, M, lower.data());
+        continue;
+      }
+      bool any = any_bad;
+      for (int64_t m = 0; m < M; ++m)
+        for (int j = 0; j < count(tile); ++j) any |= bounds[m * kTile + j] >= lower[m];
+      wanted[tile] = any;
+    }
+  });
+  std::vector<int64_t> candidates;
+  for (int64_t tile = 0; tile < W.tiles; ++tile)
+    if (wanted[tile]) candidates.push_back(tile);
+
+  // their exact logits ([candidate][m][16]), then each row's first maximum (or first NaN) in tile order
+  const auto fns = tiles(isa, W);
+  std::vector<float> exact(candidates.size() * M * kTile);
+  specserve::parallel_for(0, int64_t(candidates.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
+        float* out = exact.data() + (c * M + m0) * kTile;
+        if (fns[mr]) fns[mr](W, X, candidates[c], m0, out);
+        else tile_scalar(W, X, candidates[c], m0, mr, out);
+      }
+  });
+  at::Tensor ids = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t best = -1;
+    float best_value = 0.f;
+    bool nan = false;
+    for (size_t c = 0; c < candidates.size() && !nan; ++c)
+      for (int j = 0; j < count(candidates[c]) && !nan; ++j) {
+        const float v = exact[(c * M + m) * kTile + j];
+        const int64_t n = candidates[c] * kTile + j;
+        if (std::isnan(v)) best = n, nan = true;
+        else if (best < 0 || v > best_value) best = n, best_value = v;
+      }
+    id[m] = best;
+  }
+  return ids;
+}
+
 // The dequantized weight rows `rows` (fp32 [len, K]): s * (q - z) - o, for embedding lookups and tests.
 at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, const std::optional<at::Tensor>& planes,
                            const at::Tensor& scales, const std::optional<at::Tensor>& offsets, int64_t N,
@@ -775,6 +1012,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("quant_linear_capsule") =
       py::capsule(reinterpret_cast<void*>(static_cast<QuantLinearFn>(&quant_linear)), kQuantLinearCapsule);
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
+  m.def("screen_argmax", &screen_argmax, "each row's argmax of x @ W.T for an 8-bit W, through its 5-bit screen",
+        py::call_guard<py::gil_scoped_release>());
   m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
   m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");
 }

@@ -356,9 +356,12 @@ class Engine:
                                   [seq.proposal.tree if seq else None for seq in seqs],
                                   [seq.prompt_to_score(int(cache.lengths[row])) if seq else 0
                                    for row, seq in enumerate(seqs)])
+        # a sharded model takes neither argument (see ragged_logits)
+        local = {"logits_counts": batch.wanted, "greedy": all(
+            seq is None or seq.greedy_only(int(cache.lengths[row])) for row, seq in enumerate(seqs))}
         out = self.model(batch.tokens, batch.positions, cache, batch.slots, tree_mask=batch.tree_mask,
                          logits_rows=batch.logits_rows, output_layers=self.hidden_layers,
-                         **({"logits_counts": batch.wanted} if self.ragged_logits else {}))
+                         **(local if self.ragged_logits else {}))
         events = []
         for row, seq in enumerate(seqs):
             try:
@@ -437,6 +440,13 @@ class Sequence:
         return max(len(self.tokens) - cached, 0) if self.params.prompt_logprobs is not None and not self.prefilled \
             else 0
 
+    def greedy_only(self, cached: int) -> bool:
+        """Whether the next forward's logits serve only their argmaxes: greedy, no logprobs of any kind, no
+        grammar masks (the forward may then return GreedyChoices)."""
+        params = self.params
+        return (params.greedy and params.logprobs is None and self.grammar is None
+                and not self.prompt_to_score(cached))
+
     def score_prompt(self, logits: torch.Tensor, start: int) -> None:
         """logits [n, V] at prompt slots start..start+n-1: each scores the prompt token after it."""
         following = self.context[start + 1: start + 1 + logits.shape[0]]
@@ -471,7 +481,7 @@ class Sequence:
             rows = mask_logits(logits[path], None if proposal.allowed is None else proposal.allowed[path])
             self.logprobs += token_logprobs(rows, emitted, self.params, self.params.logprobs)
         if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
-            root = hidden.shape[0] - logits.shape[0]
+            root = hidden.shape[0] - len(logits)
             self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
         self.metrics.record_step(len(proposal.tokens), len(nodes), proposal.tree.max_depth)
         if self.grammar is not None:

@@ -198,16 +198,7 @@ class PackedWeight:
         q = np.pad(codes.q, ((0, pad), (0, 0)))
         # [tiles, 16 outputs, K/32, 8 groups, 4 inputs] -> [tiles, K/32, 8 groups, 16 outputs * 4 inputs]
         groups = q.reshape(tiles, TILE, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
-        planes = None
-        if codes.bits == 8:
-            qs = groups.reshape(tiles, k // BLOCK, 512)
-        else:
-            low = groups & 15
-            qs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(tiles, k // BLOCK, 256)
-            if codes.bits > 4:  # plane p, byte j: bit g is bit 4 + p of group g's code at position j
-                group_bit = (1 << np.arange(8, dtype=np.uint8))[:, None]
-                planes = np.stack([(((groups >> (4 + p)) & 1) * group_bit).sum(axis=2, dtype=np.uint8)
-                                   for p in range(codes.bits - 4)], axis=2)
+        qs, planes = _pack_groups(torch.from_numpy(np.ascontiguousarray(groups)), codes.bits)
 
         def per_tile(values: np.ndarray | None) -> torch.Tensor | None:
             if values is None:
@@ -217,9 +208,8 @@ class PackedWeight:
             return torch.from_numpy(np.ascontiguousarray(
                 padded.reshape(tiles, TILE, k // BLOCK, per_block).transpose(0, 2, 3, 1), dtype=np.float32))
 
-        tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
-        return cls(tensor(qs), tensor(planes), per_tile(codes.scales), per_tile(codes.offsets), n, k,
-                   codes.bits, codes.group, codes.zero, codes.kind)
+        return cls(qs, planes, per_tile(codes.scales), per_tile(codes.offsets), n, k, codes.bits, codes.group,
+                   codes.zero, codes.kind)
 
     @staticmethod
     def fusable(parts: list["PackedWeight"]) -> bool:
@@ -302,6 +292,31 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         return self.rows(torch.arange(self.out_features))
 
+    def greedy_screen(self) -> "PackedWeight | None":
+        """The 5-bit screen of an 8-bit weight (Q8_0, int8) for `screen_argmax` (the math is in quant_linear.cpp):
+        each code's top 5 bits, packed as Q5_0 with this weight's scales (shared, not copied). None for other
+        formats."""
+        if (self.bits, self.group, self.zero, self.offsets) != (8, BLOCK, 128, None):
+            return None
+        qs, planes = _pack_groups(self.qs.view(*self.qs.shape[:2], 8, 64) >> 3, 5)
+        return PackedWeight(qs, planes, self.scales, None, self.out_features, self.in_features, 5, BLOCK, 16,
+                            f"{self.kind} screen")
+
+
+def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Codes uint8 [tiles, K/32, 8 groups, 64] -> (qs, planes) in the kernel's layout."""
+    if bits == 8:
+        return groups.reshape(*groups.shape[:2], 512).contiguous(), None
+    low = groups & 15
+    qs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(*groups.shape[:2], 256).contiguous()
+    if bits == 4:
+        return qs, None
+    planes = torch.zeros(*groups.shape[:2], bits - 4, 64, dtype=torch.uint8)
+    for p in range(bits - 4):  # plane p, byte j: bit g is bit 4 + p of group g's code at position j
+        for g in range(8):
+            planes[:, :, p] |= ((groups[:, :, g] >> (4 + p)) & 1) << g
+    return qs, planes
+
 
 PACK_VERSION = 2  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind")
@@ -353,6 +368,14 @@ def packed_matmul(x: torch.Tensor, args: tuple[list, ...], bias: torch.Tensor | 
     y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), qs, planes, scales, offsets, bias, *formats, out_fp32,
                                isa())
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def screen_argmax(x: torch.Tensor, weight: PackedWeight, screen: PackedWeight) -> torch.Tensor:
+    """torch.argmax(x @ W.T, -1) over the rows of x [..., K] for an 8-bit W, exactly, reading W's `greedy_screen`
+    and only the tiles that can hold a row's maximum: int64 [...]."""
+    ids = _kernel().screen_argmax(x.reshape(-1, x.shape[-1]), screen.qs, screen.planes, weight.qs, weight.scales,
+                                  weight.out_features, isa())
+    return ids.view(x.shape[:-1])
 
 
 def isa() -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,12 +25,17 @@ from torch import nn
 from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import kernel_plan
 from specserve.models.kv_cache import KVCache
-from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear
+from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear, screen_argmax
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
 # row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
 MAX_KERNEL_TOKENS = 64
+GREEDY_SCREEN = "SPECSERVE_GREEDY_SCREEN"  # "0": greedy forwards compute the full logits
+# Greedy forwards with at most this many lm_head rows go through the screen: on a Zen 3 (AVX2) the default model's
+# screen took 0.75-0.8x the full lm_head's time at 1 row and 0.9x at 2-3, the same at 5-8, and 1.1-1.2x more at
+# 16-40 rows, whose union of candidate tiles grows (docs/benchmarks.md, session 19)
+GREEDY_SCREEN_ROWS = 4
 # fp32 weights at least this big go through the AVX2 kernel when a forward has few rows (there it beats PyTorch's
 # GEMM at every size of a real model's layers and lm_head); tiny test models keep PyTorch's GEMM, which the tests
 # compare with transformers bit for bit.
@@ -288,9 +294,25 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass(frozen=True)
+class GreedyChoices:
+    """What a greedy-only forward returns in place of logits: each row's argmax (torch.argmax's answer over the
+    logits it stands for), int64 with the logits' shape less the vocabulary. Indexing it indexes the rows."""
+
+    ids: torch.Tensor
+
+    def __getitem__(self, index) -> "GreedyChoices":
+        return GreedyChoices(self.ids[index])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, T, V] float32; with logits_offsets: [N, V], the rows asked for, row after row
+    # [B, T, V] float32; with logits_offsets: [N, V], the rows asked for, row after row; GreedyChoices of the
+    # same rows when the forward was asked for greedy choices only
+    logits: torch.Tensor | GreedyChoices
     hidden_states: dict[int, torch.Tensor]  # layer index -> [B, T, H]; -1 is the final-normed state
     logits_offsets: list[int] | None = None  # [B]: where row b's logits start in the flat form
 
@@ -437,6 +459,7 @@ class CausalLM(nn.Module):
         output_layers: tuple[int, ...] = (),
         logits_rows: torch.Tensor | None = None,
         logits_counts: list[int] | None = None,
+        greedy: bool = False,
     ) -> ForwardOutput:
         """Run new `tokens` [B, T] at rope `positions` [B, T], stored at cache `slots` [B, T].
 
@@ -445,7 +468,8 @@ class CausalLM(nn.Module):
         stream after those layers (-1: the final normed state). `logits_rows` [B, R] picks the rows that need
         logits, since the lm_head dominates a step of a small model (R = 0: none at all). With `logits_counts`
         [B], only row b's first counts[b] entries of logits_rows get logits, in the flat form (ForwardOutput):
-        rows padded to the batch's longest draft cost no lm_head work.
+        rows padded to the batch's longest draft cost no lm_head work. `greedy`: only each row's argmax is needed;
+        where `greedy_screen` applies, the logits come back as GreedyChoices.
         """
         masks = cache.attention_masks(positions, slots, tree_mask, self.spec.sliding_window)
         row_invariant = tokens.shape[1] <= MAX_KERNEL_TOKENS and self.kernels_usable
@@ -473,5 +497,27 @@ class CausalLM(nn.Module):
                 wanted = torch.tensor([b * width + r for b, n in enumerate(logits_counts) for r in range(n)])
                 offsets = [0, *itertools.accumulate(logits_counts)][:-1]
                 flat = x.reshape(-1, x.shape[-1])[wanted]
-                return ForwardOutput(self.logits(flat, row_invariant), hidden, offsets)
-        return ForwardOutput(self.logits(x, row_invariant), hidden)
+                return ForwardOutput(self._head(flat, row_invariant, greedy), hidden, offsets)
+        return ForwardOutput(self._head(x, row_invariant, greedy), hidden)
+
+    def _head(self, hidden: torch.Tensor, row_invariant: bool, greedy: bool) -> torch.Tensor | GreedyChoices:
+        screen = self.greedy_screen if greedy and hidden.shape[:-1].numel() <= GREEDY_SCREEN_ROWS else None
+        if screen is not None:
+            return GreedyChoices(screen_argmax(hidden, self.lm_head_packed, screen))
+        return self.logits(hidden, row_invariant)
+
+    @property
+    def greedy_screen(self) -> PackedWeight | None:
+        """The lm_head's 5-bit screen (quant_linear.cpp's screen_argmax: exact argmaxes, reading ~2/3 of an 8-bit
+        lm_head's bytes) where greedy choices can use it: an 8-bit packed lm_head over the whole vocabulary,
+        without logit soft-capping (a rounding tanh could tie distinct logits); else None.
+        SPECSERVE_GREEDY_SCREEN=0 turns it off."""
+        packed = self.lm_head_packed
+        if (packed is None or self.vocab_subset is not None or self.gather_vocab is not None
+                or self.spec.final_logit_softcapping or os.environ.get(GREEDY_SCREEN, "1") == "0"):
+            return None
+        screen = self.__dict__.get("_greedy_screen")
+        if screen is None or screen[0] is not packed:  # made once per lm_head weight (~0.3 s for 262k x 640)
+            screen = (packed, packed.greedy_screen())
+            self.__dict__["_greedy_screen"] = screen
+        return screen[1]

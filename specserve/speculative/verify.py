@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.models import cpu_kernels
+from specserve.models.transformer import GreedyChoices
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
 from specserve.speculative.tree import DraftTree
 
@@ -55,13 +56,18 @@ class Verdict(NamedTuple):
         return len(self.nodes)
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+def verify(tree: DraftTree, logits: torch.Tensor | GreedyChoices, params: SamplingParams, generator: torch.Generator,
            draft_probs=None, typical: TypicalAcceptance | None = None, allowed: torch.Tensor | None = None
            ) -> Verdict:
     """logits [N, V]: the target's logits at each node of `tree` (row 0: the root). `draft_probs`: None when every
     child is deterministic; else a [N', V] tensor or a sequence whose entry i is the q node i's children were drawn
     from (None entries: deterministic children there). `typical`: Medusa's rule when sampling. `allowed` [N, V]
-    bool: a grammar's tokens allowed after each node's path (structured outputs); the others get -inf first."""
+    bool: a grammar's tokens allowed after each node's path (structured outputs); the others get -inf first.
+    Greedy verification takes GreedyChoices (each row's argmax) in place of logits as well."""
+    if isinstance(logits, GreedyChoices):
+        if not params.greedy or allowed is not None:
+            raise ValueError("greedy choices stand in for logits only in greedy verification without a grammar")
+        return greedy_chain(tree.draft, logits) if tree.is_chain else greedy_tree(tree, logits)
     logits = mask_logits(logits, allowed)
     if params.greedy:
         return greedy_chain(tree.draft, logits) if tree.is_chain else greedy_tree(tree, logits)
@@ -75,17 +81,21 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Ten
     return logits if allowed is None else torch.where(allowed, logits, float("-inf"))
 
 
-def greedy_chain(draft: list[int], logits: torch.Tensor) -> Verdict:
+def argmaxes(logits: torch.Tensor | GreedyChoices) -> list[int]:
+    return logits.ids.tolist() if isinstance(logits, GreedyChoices) else cpu_kernels.argmax(logits).tolist()
+
+
+def greedy_chain(draft: list[int], logits: torch.Tensor | GreedyChoices) -> Verdict:
     """The chain's fast path: logits row i predicts the token after draft[:i]."""
-    choices = cpu_kernels.argmax(logits).tolist()
+    choices = argmaxes(logits)
     accepted = 0
     while accepted < len(draft) and draft[accepted] == choices[accepted]:
         accepted += 1
     return Verdict(list(range(1, accepted + 1)), draft[:accepted] + [choices[accepted]])
 
 
-def greedy_tree(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    choice = cpu_kernels.argmax(logits).tolist()
+def greedy_tree(tree: DraftTree, logits: torch.Tensor | GreedyChoices) -> Verdict:
+    choice = argmaxes(logits)
     tokens = tree.tokens.tolist()
     nodes = deepest_path(tree, lambda node, child: tokens[child] == choice[node])
     return Verdict(nodes, [tokens[n] for n in nodes] + [choice[nodes[-1] if nodes else 0]])

@@ -35,6 +35,18 @@ def test_default_model_ngram_equals_plain(default_model):
         assert got.metrics.total_draft_tokens > 0
 
 
+def test_default_model_greedy_screen_keeps_the_outputs(default_model, monkeypatch):
+    """The embedded GGUF's Q8_0 lm_head is screened for greedy choices: the same tokens as the full logits."""
+    assert default_model.model.greedy_screen is not None
+    engine = build_engine(DeploymentConfig(), default_model)
+    params = SamplingParams(max_tokens=32)
+    outputs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("SPECSERVE_GREEDY_SCREEN", setting)
+        outputs[setting] = [engine.generate(prompt, params).token_ids for prompt in PROMPTS]
+    assert outputs["0"] == outputs["1"]
+
+
 def test_cli_generate_on_the_default(default_model):
     from typer.testing import CliRunner
 
