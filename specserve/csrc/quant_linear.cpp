@@ -456,14 +456,12 @@ SPECSERVE_AVX2 void screen_bounds_avx2(const Packed& W, const Acts& X, int64_t t
   if (i < mr) screen_bounds_rows_avx2<1>(W, X, tile, m0 + i, a + i * kTile, fold, top + i * kTile);
 }
 
-// Whether any of a full tile's upper bounds top ([rows][16]) reaches its row's lower bound.
-SPECSERVE_AVX2 bool reaches_avx2(const float* top, int64_t rows, const float* lower) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const __m256 floor = _mm256_set1_ps(lower[m]);
-    for (int h = 0; h < 16; h += 8)
-      if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(top + m * kTile + h), floor, _CMP_GE_OQ))) return true;
-  }
-  return false;
+// Whether any of a full tile's upper bounds top[16] reaches the row's lower bound.
+SPECSERVE_AVX2 bool reaches_avx2(const float* top, float lower) {
+  const __m256 floor = _mm256_set1_ps(lower);
+  const __m256 reached = _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(top), floor, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(_mm256_loadu_ps(top + 8), floor, _CMP_GE_OQ));
+  return _mm256_movemask_ps(reached) != 0;
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -806,17 +804,25 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
 // quant_linear's own tile functions, so the logits compared are quant_linear's bit for bit and the answer is
 // torch.argmax's over them: the first maximum, or the first NaN. Every term of y, A or the center is at most 128 / 3.5
 // times its radius term, so the fp32 rounding of all the sums (one or two per block and term) stays below
-// 2^-24 * 512 (K/32 + 2) * rad: rad is widened by that much (`slack`). A row with a non-finite bound has all its
-// tiles computed.
+// 2^-24 * 512 (K/32 + 2) * rad: rad is widened by that much (`slack`). A row with a non-finite activation or bound
+// has all its tiles computed.
 
+// The quantized rows and each block's center and radius terms; rows holding a NaN or an infinity are marked in
+// `broken` (their codes are not what the bound assumes: psum16 need not be sum p, and the paths may differ there).
 template <typename T>
 void screen_terms(const T* x, int64_t M, int64_t K, Isa isa, std::vector<int8_t>& p, std::vector<float>& dx,
-                  std::vector<int32_t>& psum16, std::vector<float>& center, std::vector<float>& radius) {
+                  std::vector<int32_t>& psum16, std::vector<float>& center, std::vector<float>& radius,
+                  char* broken) {
   quantize_rows(isa, x, M, K, p.data(), dx.data(), psum16.data());
+  for (int64_t m = 0; m < M; ++m)
+    broken[m] = !std::all_of(x + m * K, x + (m + 1) * K, [](T v) { return std::isfinite(float(v)); });
   for (int64_t b = 0; b < M * (K / kBlock); ++b) {
-    int32_t magnitude = 0;
-    for (int k = 0; k < kBlock; ++k) magnitude += std::abs(int32_t(p[b * kBlock + k]));
-    center[b] = dx[b] * 3.5f * float(psum16[2 * b] + psum16[2 * b + 1]);
+    int32_t sum = 0, magnitude = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      sum += p[b * kBlock + k];
+      magnitude += std::abs(int32_t(p[b * kBlock + k]));
+    }
+    center[b] = dx[b] * 3.5f * float(sum);
     radius[b] = dx[b] * 3.5f * float(magnitude);
   }
 }
@@ -836,8 +842,12 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   std::vector<int8_t> p(M * K);
   std::vector<float> dx(M * kblocks), center(M * kblocks), radius(M * kblocks);
   std::vector<int32_t> psum16(M * (K / 16));
-  if (x.scalar_type() == at::kFloat) screen_terms(x.data_ptr<float>(), M, K, isa, p, dx, psum16, center, radius);
-  else screen_terms(x.data_ptr<at::BFloat16>(), M, K, isa, p, dx, psum16, center, radius);
+  const int threads = at::get_num_threads() + 1;
+  std::vector<char> bad(threads * M, 0);  // per thread, set where a row's bound cannot be trusted
+  if (x.scalar_type() == at::kFloat)
+    screen_terms(x.data_ptr<float>(), M, K, isa, p, dx, psum16, center, radius, bad.data());
+  else
+    screen_terms(x.data_ptr<at::BFloat16>(), M, K, isa, p, dx, psum16, center, radius, bad.data());
   Acts X{p.data(), dx.data(), psum16.data(), K};
   X.center = center.data();
   X.radius = radius.data();
@@ -849,9 +859,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
 
   // each output's upper bound ([tile][m][16]), and each row's best lower bound and non-finite flag per thread
   std::vector<float> top(W.tiles * M * kTile);
-  const int threads = at::get_num_threads() + 1;
   std::vector<float> lower(threads * M, -INFINITY);
-  std::vector<char> bad(threads * M, 0);
   specserve::parallel_for(0, W.tiles, 1, [&](int64_t begin, int64_t end) {
     const ScreenFold fold{slack, lower.data() + at::get_thread_num() * M, bad.data() + at::get_thread_num() * M};
     float block[kMaxRows * kTile];
@@ -876,37 +884,43 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
       bad[m] |= bad[t * M + m];
     }
 
-  // the tiles holding any row's candidates
-  const bool any_bad = std::any_of(bad.begin(), bad.begin() + M, [](char b) { return b != 0; });
-  std::vector<char> wanted(W.tiles, 0);
+  // which rows have candidates in which tiles ([tile][m])
+  std::vector<char> wants(W.tiles * M, 0);
   specserve::parallel_for(0, W.tiles, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const float* bounds = top.data() + tile * M * kTile;
-      if (isa == Isa::avx2 && count(tile) == kTile) {
-        wanted[tile] = any_bad || reaches_avx2(bounds, M, lower.data());
-        continue;
+    for (int64_t tile = begin; tile < end; ++tile)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* bounds = top.data() + (tile * M + m) * kTile;
+        bool any = bad[m] != 0;
+        if (!any && isa == Isa::avx2 && count(tile) == kTile) any = reaches_avx2(bounds, lower[m]);
+        else
+          for (int j = 0; j < count(tile) && !any; ++j) any = bounds[j] >= lower[m];
+        wants[tile * M + m] = any;
       }
-      bool any = any_bad;
-      for (int64_t m = 0; m < M; ++m)
-        for (int j = 0; j < count(tile); ++j) any |= bounds[m * kTile + j] >= lower[m];
-      wanted[tile] = any;
-    }
   });
   std::vector<int64_t> candidates;
   for (int64_t tile = 0; tile < W.tiles; ++tile)
-    if (wanted[tile]) candidates.push_back(tile);
+    if (std::any_of(&wants[tile * M], &wants[tile * M] + M, [](char w) { return w != 0; })) candidates.push_back(tile);
 
-  // their exact logits ([candidate][m][16]), then each row's first maximum (or first NaN) in tile order
+  // their exact logits for the rows that want them ([candidate][m][16]): one row at a time where few rows do
+  // (a row's own candidates are a small part of the rows' union), else all the rows in passes
   const auto fns = tiles(isa, W);
   std::vector<float> exact(candidates.size() * M * kTile);
   specserve::parallel_for(0, int64_t(candidates.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c)
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
+    for (int64_t c = begin; c < end; ++c) {
+      const char* rows = &wants[candidates[c] * M];
+      const int64_t wanting = std::count(rows, rows + M, char(1));
+      for (int64_t m0 = 0; m0 < M;) {
+        const int mr = 2 * wanting > M ? int(std::min<int64_t>(kMaxRows, M - m0)) : 1;
+        if (mr == 1 && !rows[m0]) {
+          ++m0;
+          continue;
+        }
         float* out = exact.data() + (c * M + m0) * kTile;
         if (fns[mr]) fns[mr](W, X, candidates[c], m0, out);
         else tile_scalar(W, X, candidates[c], m0, mr, out);
+        m0 += mr;
       }
+    }
   });
   at::Tensor ids = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* id = ids.data_ptr<int64_t>();
@@ -914,13 +928,15 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
     int64_t best = -1;
     float best_value = 0.f;
     bool nan = false;
-    for (size_t c = 0; c < candidates.size() && !nan; ++c)
+    for (size_t c = 0; c < candidates.size() && !nan; ++c) {
+      if (!wants[candidates[c] * M + m]) continue;  // none of this row's candidates (its logits were not computed)
       for (int j = 0; j < count(candidates[c]) && !nan; ++j) {
         const float v = exact[(c * M + m) * kTile + j];
         const int64_t n = candidates[c] * kTile + j;
         if (std::isnan(v)) best = n, nan = true;
         else if (best < 0 || v > best_value) best = n, best_value = v;
       }
+    }
     id[m] = best;
   }
   return ids;

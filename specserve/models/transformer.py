@@ -32,10 +32,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
 MAX_KERNEL_TOKENS = 64
 GREEDY_SCREEN = "SPECSERVE_GREEDY_SCREEN"  # "0": greedy forwards compute the full logits
-# Greedy forwards with at most this many lm_head rows go through the screen: on a Zen 3 (AVX2) the default model's
-# screen took 0.75-0.8x the full lm_head's time at 1 row and 0.9x at 2-3, the same at 5-8, and 1.1-1.2x more at
-# 16-40 rows, whose union of candidate tiles grows (docs/benchmarks.md, session 19)
-GREEDY_SCREEN_ROWS = 4
 # fp32 weights at least this big go through the AVX2 kernel when a forward has few rows (there it beats PyTorch's
 # GEMM at every size of a real model's layers and lm_head); tiny test models keep PyTorch's GEMM, which the tests
 # compare with transformers bit for bit.
@@ -501,7 +497,7 @@ class CausalLM(nn.Module):
         return ForwardOutput(self._head(x, row_invariant, greedy), hidden)
 
     def _head(self, hidden: torch.Tensor, row_invariant: bool, greedy: bool) -> torch.Tensor | GreedyChoices:
-        screen = self.greedy_screen if greedy and hidden.shape[:-1].numel() <= GREEDY_SCREEN_ROWS else None
+        screen = self.greedy_screen if greedy else None
         if screen is not None:
             return GreedyChoices(screen_argmax(hidden, self.lm_head_packed, screen))
         return self.logits(hidden, row_invariant)

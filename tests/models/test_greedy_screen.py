@@ -66,9 +66,12 @@ def test_ties_and_non_finite_rows_answer_as_torch_argmax(isa, monkeypatch):
     x[2, 3] = float("nan")
     x[3, 9] = float("inf")
     logits = packed.matmul(x, out_fp32=True)
-    got = quant.screen_argmax(x, packed, packed.greedy_screen())
+    screen = packed.greedy_screen()
+    got = quant.screen_argmax(x, packed, screen)
     assert torch.equal(got, cpu_kernels.argmax(logits))
     assert got[0] == 37 and got[1] == 0
+    for row in range(len(x)):  # alone, without the other rows' candidate tiles (a NaN garbles psum16, not p)
+        assert quant.screen_argmax(x[row:row + 1], packed, screen) == got[row]
 
 
 def test_only_8_bit_weights_have_a_screen():
