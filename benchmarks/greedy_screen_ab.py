@@ -15,11 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from kernel_ab import timed  # this folder is on the path when a script in it runs
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models import cpu_kernels, quant
@@ -82,21 +82,11 @@ def lm_head_ab(target, rows: list[int], questions: list[str], rounds: int) -> No
     for round_ in range(rounds):
         for name in ("full", "screen") if round_ % 2 == 0 else ("screen", "full"):
             for count in rows:
-                times.setdefault((name, count), []).append(timed(lambda: cases[name](hidden[:count])))
+                times.setdefault((name, count), []).append(timed(lambda: cases[name](hidden[:count]), calls=5))
     for count in rows:
         full, screened = (statistics.median(times[name, count]) * 1e3 for name in ("full", "screen"))
         print(f"{count:3d} rows: full logits + argmax {full:.2f} ms, screen_argmax {screened:.2f} ms "
               f"({full / screened:.2f}x)")
-
-
-def timed(run, calls: int = 5) -> float:
-    run()
-    samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def main() -> None:

@@ -615,6 +615,15 @@ SPECSERVE_AVX2 void quantize_block_avx2(const T* src, int8_t* p, float* dx, int3
   }
 }
 
+// One tile's outputs for mr rows from m0 into out ([mr][16]): from the tile decoded once (`decoded`, where `once`
+// has a decode), else the vector tile for mr rows, else the scalar one.
+inline void run_tile(const std::array<TileFn, kMaxRows + 1>& fns, const DecodedTiles& once, const Packed& W,
+                     const Acts& X, int64_t tile, int64_t m0, int mr, float* out, const __m256i* decoded) {
+  if (once.decode) once.rows[mr](W, X, tile, m0, out, decoded);
+  else if (fns[mr]) fns[mr](W, X, tile, m0, out);
+  else tile_scalar(W, X, tile, m0, mr, out);
+}
+
 template <typename T>
 void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
   // a few rows take less time than waking the other threads: threads share rows only past ~1k blocks each
@@ -772,9 +781,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
       if (once.decode) once.decode(w, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-        if (once.decode) once.rows[mr](w, X, tile, m0, block, decoded);
-        else if (fns[i][mr]) fns[i][mr](w, X, tile, m0, block);
-        else tile_scalar(w, X, tile, m0, mr, block);
+        run_tile(fns[i], once, w, X, tile, m0, mr, block, decoded);
         const int64_t count = std::min<int64_t>(kTile, w.N - tile * kTile);
         for (int r = 0; r < mr; ++r)
           for (int64_t j = 0; j < count; ++j) {
@@ -870,9 +877,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
         float* bounds = top.data() + (tile * M + m0) * kTile;
-        if (screen_once.decode) screen_once.rows[mr](S, X, tile, m0, block, decoded);
-        else if (screen_fns[mr]) screen_fns[mr](S, X, tile, m0, block);
-        else tile_scalar(S, X, tile, m0, mr, block);
+        run_tile(screen_fns, screen_once, S, X, tile, m0, mr, block, decoded);
         if (isa == Isa::avx2 && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
         else screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
       }
@@ -915,9 +920,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
           ++m0;
           continue;
         }
-        float* out = exact.data() + (c * M + m0) * kTile;
-        if (fns[mr]) fns[mr](W, X, candidates[c], m0, out);
-        else tile_scalar(W, X, candidates[c], m0, mr, out);
+        run_tile(fns, DecodedTiles{}, W, X, candidates[c], m0, mr, exact.data() + (c * M + m0) * kTile, nullptr);
         m0 += mr;
       }
     }
