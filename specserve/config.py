@@ -180,4 +180,5 @@ def build_engine(config: DeploymentConfig, target: LoadedModel | None = None):
 
     target = target or config.model.load()
     method = build_method(config.speculative, target)
-    return Engine(target, method, config.speculative.max_draft_len if method else 0, config.model.max_model_len)
+    return Engine(target, method, config.speculative.max_draft_len if method else 0, config.model.max_model_len,
+                  config.speculative.adaptive_draft_len)

@@ -94,13 +94,12 @@ def run_timed(generate: Callable[[str, int], tuple[list[int], float]], prompts: 
 
 def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) -> MethodRun:
     """The prompts in order through one engine, so a method that learns across requests (suffix) drafts each from
-    the ones before it; what it learnt from the warm-up is forgotten first (the warm-up's prompt is the first
-    timed one)."""
+    the ones before it, and the draft-length choice starts each from the acceptance of those before it; what both
+    learnt from the warm-up is forgotten first (the warm-up's prompt is the first timed one)."""
     params = SamplingParams(max_tokens=max_tokens)
     run = MethodRun(warmup_s=warm_up(lambda p, n: engine.generate(p, SamplingParams(max_tokens=n)), prompts[0],
                                      max_tokens))
-    if engine.method is not None:
-        engine.method.reset()
+    engine.forget_requests()
     for prompt in tqdm(prompts, desc=name, leave=False):
         result = engine.generate(prompt, params)
         m = result.metrics

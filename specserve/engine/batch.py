@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
@@ -59,13 +60,14 @@ class Rate:
 
     DECAY = 0.9  # the share of the evidence kept per step: about the last ten steps count
 
-    def __init__(self, prior: float, weight: float):
+    def __init__(self, prior: float, weight: float, decay: float = DECAY):
         self.prior, self.weight = prior, weight  # the prior counts as `weight` trials
+        self.decay = decay
         self.trials = self.successes = 0.0
 
     def update(self, trials: int, successes: int) -> None:
-        self.trials = self.trials * self.DECAY + trials
-        self.successes = self.successes * self.DECAY + successes
+        self.trials = self.trials * self.decay + trials
+        self.successes = self.successes * self.decay + successes
 
     @property
     def value(self) -> float:
@@ -82,9 +84,11 @@ class Acceptance:
     PRIOR_FIRST = 0.7  # before any evidence: optimistic, so a new request drafts at once
     PRIOR_FURTHER = 0.8
 
-    def __init__(self):
+    def __init__(self, prior_first: float = PRIOR_FIRST, prior_further: float = PRIOR_FURTHER,
+                 decay: float = Rate.DECAY):
         # one first-token trial per step, up to max_draft_len - 1 later ones: priors worth about one step each
-        self.first, self.further = Rate(self.PRIOR_FIRST, 1.0), Rate(self.PRIOR_FURTHER, 3.0)
+        self.first = Rate(prior_first, 1.0, decay)
+        self.further = Rate(prior_further, 3.0, decay)
 
     def update(self, drafted: int, accepted: int) -> None:
         """One verify step's verdict: `accepted` of the `drafted` tokens (a prefix) were accepted."""
@@ -96,6 +100,34 @@ class Acceptance:
         return expected_tokens(self.first.value, draft_len, self.further.value)
 
 
+class AcceptanceByEvidence:
+    """Draft acceptance kept apart per the evidence the drafts rest on (`Proposal.evidence`): a 3-gram match is
+    accepted far more often than a 1-gram one, and one estimate for both drafts too long after a 1-gram match and
+    too short after a 3-gram one. A request's estimate for an evidence starts from the `pool`'s (all requests' so
+    far, forgetting slowly) rather than from a fixed prior, and feeds it."""
+
+    POOL_DECAY = 0.99  # about the last hundred verdicts of an evidence count
+
+    def __init__(self, pool: AcceptanceByEvidence | None = None, decay: float = Rate.DECAY):
+        self.pool, self.decay = pool, decay
+        self.by_evidence: dict[Hashable, Acceptance] = {}
+
+    @classmethod
+    def pooled(cls) -> AcceptanceByEvidence:
+        return cls(decay=cls.POOL_DECAY)
+
+    def __getitem__(self, evidence: Hashable) -> Acceptance:
+        if evidence not in self.by_evidence:
+            prior = () if self.pool is None else (self.pool[evidence].first.value, self.pool[evidence].further.value)
+            self.by_evidence[evidence] = Acceptance(*prior, decay=self.decay)
+        return self.by_evidence[evidence]
+
+    def update(self, drafted: int, accepted: int, evidence: Hashable = None) -> None:
+        self[evidence].update(drafted, accepted)
+        if self.pool is not None:
+            self.pool.update(drafted, accepted, evidence)
+
+
 @dataclass
 class ShadowDraft:
     """A draft that was not verified, waiting for the tokens it guessed. For a deterministic draft, matching the
@@ -104,6 +136,7 @@ class ShadowDraft:
 
     start: int  # the context length when it was drafted: its first level guesses context[start]
     tree: DraftTree  # a chain, or a tree of deterministic siblings (suffix decoding)
+    evidence: Hashable = None  # the proposal's (Proposal.evidence)
 
     def verdict(self, seq: Sequence) -> tuple[int, int] | None:
         """(drafted, accepted: the root path the emitted tokens follow) once the request has emitted enough to
@@ -127,20 +160,28 @@ class BatchEngine:
     PREFILL_SHARE = 0.25  # of the time, at most, for long prompts' chunks while other requests decode
 
     def __init__(self, engine: Engine, max_batch_size: int, capacity: int | None = None,
-                 adaptive_draft: bool = True):
+                 adaptive_draft: bool = True, costs: StepCosts | None = None):
         self.engine = engine
         self.max_batch_size = max(1, max_batch_size)
         self.capacity = capacity or (engine.max_model_len + engine.draft_slots)
         self.cache = KVCache.growable(engine.model, self.max_batch_size, self.capacity)
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
-        self.acceptance: dict[Sequence, Acceptance] = {}
+        self.acceptance: dict[Sequence, AcceptanceByEvidence] = {}
+        self.pooled_acceptance = AcceptanceByEvidence.pooled()  # every request's, the prior of each new one's
         self.shadows: dict[Sequence, list[ShadowDraft]] = {}  # drafts scored, not verified (`_learns_from_shadows`)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
-        self.costs = StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits) \
+        # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
+        self.costs = (costs or StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
+
+    def forget_acceptance(self) -> None:
+        """Start the acceptance pool over (between runs of a benchmark); running requests keep their own."""
+        self.pooled_acceptance = AcceptanceByEvidence.pooled()
+        for estimate in self.acceptance.values():
+            estimate.pool = self.pooled_acceptance
 
     @property
     def active(self) -> int:
@@ -212,7 +253,7 @@ class BatchEngine:
     def _add_row(self, seq: Sequence) -> int:
         """Give a request the next row of the batch (the cache grows to hold it); returns the row."""
         self.rows.append(seq)
-        self.acceptance[seq] = Acceptance()
+        self.acceptance[seq] = AcceptanceByEvidence(self.pooled_acceptance)
         self._fit_cache()
         return len(self.rows) - 1
 
@@ -229,11 +270,12 @@ class BatchEngine:
             events = self._forward(seqs)
             self._score_shadows(seqs)
         else:
-            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
+            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal.evidence)
+                      for seq in seqs]
             events = self._forward(seqs)
-            for seq, (drafted, accepted) in zip(seqs, before):
+            for seq, (drafted, accepted, evidence) in zip(seqs, before):
                 self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
-                                            seq.metrics.total_accepted_draft_tokens - accepted)
+                                            seq.metrics.total_accepted_draft_tokens - accepted, evidence)
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -273,7 +315,7 @@ class BatchEngine:
                 if verdict is None:
                     open_drafts.append(shadow)
                 else:
-                    self.acceptance[seq].update(*verdict)
+                    self.acceptance[seq].update(*verdict, shadow.evidence)
             if not seq.finished:
                 open_drafts += self._shadow_draft(seq)
             self.shadows[seq] = open_drafts
@@ -281,10 +323,12 @@ class BatchEngine:
     def _shadow_draft(self, seq: Sequence) -> list[ShadowDraft]:
         room = seq.draft_room(self.engine.max_draft_len)
         try:
-            tree = seq.proposer.propose(seq.context, room).tree if room else None
+            proposal = seq.proposer.propose(seq.context, room) if room else None
         except Exception:  # noqa: BLE001 - the request goes on undrafted; its next real draft reports the failure
             return []
-        return [ShadowDraft(len(seq.context), tree)] if tree is not None and tree.draft else []
+        if proposal is None or not proposal.tree.draft:
+            return []
+        return [ShadowDraft(len(seq.context), proposal.tree, proposal.evidence)]
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         row = self._add_row(seq)
@@ -329,8 +373,10 @@ class BatchEngine:
         top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:
             return top
-        caps = [min(cap, self._draft_available(seq, top)) for seq, cap in zip(seqs, caps)]
-        estimates = [self.acceptance.get(seq) or Acceptance() for seq in seqs]
+        available = [self._draft_available(seq, top) for seq in seqs]
+        caps = [min(cap, depth) for cap, (depth, _) in zip(caps, available)]
+        estimates = [self.acceptance.get(seq, self.pooled_acceptance)[evidence]
+                     for seq, (_, evidence) in zip(seqs, available)]
 
         def throughput(k: int) -> float:
             drafted = [min(k, cap) for cap in caps]
@@ -339,14 +385,14 @@ class BatchEngine:
 
         return max(range(top + 1), key=throughput)
 
-    def _draft_available(self, seq: Sequence, top: int) -> int:
-        """How long a draft the request has now, where drafts are scored as shadows: its latest shadow was drafted
-        from where it stands (a deterministic proposer drafts the same again); none there: nothing to draft.
-        Otherwise (or before its first shadow) `top`."""
+    def _draft_available(self, seq: Sequence, top: int) -> tuple[int, Hashable]:
+        """How long a draft the request has now, and its evidence, where drafts are scored as shadows: its latest
+        shadow was drafted from where it stands (a deterministic proposer drafts the same again); none there:
+        nothing to draft. Otherwise (or before its first shadow) `top`, and no evidence."""
         if not self._learns_from_shadows or seq not in self.shadows or seq.grammar is not None:
-            return top
+            return top, None
         here = [shadow for shadow in self.shadows[seq] if shadow.start == len(seq.context)]
-        return here[-1].tree.max_depth if here else 0
+        return (here[-1].tree.max_depth, here[-1].evidence) if here else (0, None)
 
 
 class StreamBatch:

@@ -1,7 +1,8 @@
 """The decoding loop for one request: prefill, then draft -> verify in one target forward -> commit, until a stop.
 
 With no method (or max_draft_len 0) every step verifies an empty draft, which is plain autoregressive decoding
-through the very same code path.
+through the very same code path. With `adaptive_draft_len` a request runs through a one-row `BatchEngine`, whose
+draft-length choice is the server's (`stream_adaptive`); without it, every step drafts max_draft_len.
 
 A prompt longer than PREFILL_CHUNK tokens is prefilled in chunks of PREFILL_CHUNK (positions [0, C), [C, 2C), ...;
 the last piece, at most C tokens, is the ordinary forward that samples the first token). The boundaries depend on
@@ -168,17 +169,20 @@ def forced_then(root: int, forced: list[int], proposal: Proposal | None) -> Prop
     that draft after forced tokens draft deterministically."""
     if proposal is None or proposal.probs is not None:
         return Proposal(Chain(root, forced))
-    return Proposal(after_chain(root, forced, proposal.tree), typical=proposal.typical)
+    return Proposal(after_chain(root, forced, proposal.tree), typical=proposal.typical, evidence=proposal.evidence)
 
 
 class Engine:
     def __init__(self, target: LoadedModel, method: SpecMethod | None = None, max_draft_len: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, adaptive_draft_len: bool = False):
         self.target = target
         self.model = target.model
         self.tokenizer = target.tokenizer
         self.method = method
         self.max_draft_len = max_draft_len if method is not None else 0
+        # each step's draft length chosen as the server's batch engine chooses it (`stream_adaptive`)
+        self.adaptive_draft_len = adaptive_draft_len and bool(self.max_draft_len)
+        self._solo_batch = None  # that one-row batch engine, kept across requests
         # KV slots a verify step may use beyond the committed tokens (a tree needs all its nodes)
         self.draft_slots = method.draft_slots(self.max_draft_len) if self.max_draft_len else 1
         self.needs_hidden = bool(self.max_draft_len) and method.needs_hidden_states
@@ -273,6 +277,9 @@ class Engine:
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if self.adaptive_draft_len:
+            yield from self.stream_adaptive(prompt_ids, params)
+            return
         seq = self.new_sequence(prompt_ids, params)
         cache = KVCache.for_model(self.model, 1, self.capacity_for(prompt_ids, params))
         while not seq.finished:
@@ -286,6 +293,35 @@ class Engine:
                 raise event
             if event is not None:
                 yield event
+
+    def stream_adaptive(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """One request through a batch engine of one row: each step drafts the length with the most expected tokens
+        per second (the target's measured step costs, the request's acceptance per evidence, learnt from the
+        requests before it too), as the server does. The same tokens as fixed-length drafts: only the speed
+        differs."""
+        from specserve.engine.batch import BatchEngine
+        from specserve.engine.step_costs import target_verify_seconds
+
+        if self._solo_batch is None:
+            self._solo_batch = BatchEngine(self, 1, costs=target_verify_seconds(self.target))
+        batch = self._solo_batch
+        seq = batch.add(prompt_ids, params)
+        try:
+            while not seq.finished:
+                for _, event in batch.step():
+                    if isinstance(event, Exception):
+                        raise event
+                    yield event
+        finally:
+            batch.cancel(seq)  # a consumer that stopped early, or a failure: the row is free for the next request
+
+    def forget_requests(self) -> None:
+        """Forget what was learnt from earlier requests: the method's (suffix decoding's responses) and the draft-length
+        choice's pooled acceptance (the bench's warm-up must not inform its timed requests)."""
+        if self.method is not None:
+            self.method.reset()
+        if self._solo_batch is not None:
+            self._solo_batch.forget_acceptance()
 
     def prefill_remaining(self, cache: KVCache, seq: Sequence) -> int:
         """Prompt tokens of `seq` (row 0 of `cache`) not yet in the cache, its pending last token included."""
@@ -460,7 +496,8 @@ class Sequence:
             return
         keep, allowed = self.grammar.constrain(proposal.tree, proposal.probs)
         if len(keep) < len(proposal.tree):
-            proposal = Proposal(subtree(proposal.tree, keep), sub_probs(proposal.probs, keep), proposal.typical)
+            proposal = Proposal(subtree(proposal.tree, keep), sub_probs(proposal.probs, keep), proposal.typical,
+                                evidence=proposal.evidence)
         proposal.allowed = allowed
         self.proposal = proposal
 

