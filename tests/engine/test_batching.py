@@ -191,7 +191,6 @@ def test_acceptance_tells_first_tokens_from_later_ones():
     assert expected_tokens(0.5, 4, further=1.0) == 3.0 and expected_tokens(0.7, 0, 0.9) == 1.0
 
 
-
 def test_acceptance_is_kept_apart_per_evidence_and_new_requests_start_from_the_pool():
     pool = AcceptanceByEvidence.pooled()
     first = AcceptanceByEvidence(pool)
@@ -247,6 +246,9 @@ def test_offline_engine_with_adaptive_draft_length_equals_plain(loaded, method):
     assert adaptive._solo_batch.active == 1
     stream.close()
     assert adaptive._solo_batch.active == 0 and not adaptive._solo_batch.has_work()
+    assert adaptive._solo_batch.pooled_acceptance.by_evidence  # learnt from the requests so far
+    adaptive.forget_requests()
+    assert not adaptive._solo_batch.pooled_acceptance.by_evidence
 
 
 # ---- the KV cache grows with use ------------------------------------------------------------------------------------
