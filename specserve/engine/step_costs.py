@@ -88,6 +88,7 @@ class StepCosts:
 
 
 _VERIFY_COSTS: dict[int, StepCosts] = {}
+TABLES_KEPT = 32  # in the cache directory's verify_costs.json
 
 
 def code_version() -> str:
@@ -118,6 +119,8 @@ def target_verify_seconds(target: LoadedModel) -> StepCosts:
         costs = StepCosts(None, 1, table[key])
     else:
         costs = StepCosts(target.model, rows=1)
+        # the most recent entries only: every new code version, model path or thread count adds one
+        table = dict(list(table.items())[-(TABLES_KEPT - 1):])
         table[key] = costs.seconds
         write_text_atomically(file, json.dumps(table))
     _VERIFY_COSTS[id(target.model)] = costs
