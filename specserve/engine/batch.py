@@ -6,9 +6,11 @@ row-invariant kernels make a request's tokens independent of its batch mates, so
 
 The draft length is chosen per step from the target's measured cost per forward size and each request's
 acceptance rate: it maximizes expected tokens per second, so speculation shrinks, or stops, when the batch is
-large enough that verifying drafts costs more than it brings. The acceptance estimate starts optimistic and
-forgets old evidence (`Acceptance`: the first draft token's rate and each later one's, given its predecessor),
-so a request alone keeps drafting wherever drafts pay. Where drafting runs no model (n-gram), the evidence is a full
+large enough that verifying drafts costs more than it brings. The acceptance estimate forgets old evidence
+(`Acceptance`: the first draft token's rate and each later one's, given its predecessor), so a request alone keeps
+drafting wherever drafts pay. It is kept per kind of draft (`AcceptanceByEvidence`, by `Proposal.evidence`: the
+matched n for n-gram), and a request's starts from all earlier requests' (optimistic before any). Where drafting
+runs no model (n-gram), the evidence is a full
 draft scored against the tokens the request then emits, verified or not (`ShadowDraft`), so a large batch that
 stopped drafting still learns when drafts would pay.
 
