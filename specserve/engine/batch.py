@@ -10,9 +10,8 @@ large enough that verifying drafts costs more than it brings. The acceptance est
 (`Acceptance`: the first draft token's rate and each later one's, given its predecessor), so a request alone keeps
 drafting wherever drafts pay. It is kept per kind of draft (`AcceptanceByEvidence`, by `Proposal.evidence`: the
 matched n for n-gram), and a request's starts from all earlier requests' (optimistic before any). Where drafting
-runs no model (n-gram), the evidence is a full
-draft scored against the tokens the request then emits, verified or not (`ShadowDraft`), so a large batch that
-stopped drafting still learns when drafts would pay.
+runs no model (n-gram), the evidence is a full draft scored against the tokens the request then emits, verified or
+not (`ShadowDraft`), so a large batch that stopped drafting still learns when drafts would pay.
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
