@@ -119,7 +119,8 @@ class AcceptanceByEvidence:
 
     def __getitem__(self, evidence: Hashable) -> Acceptance:
         if evidence not in self.by_evidence:
-            prior = () if self.pool is None else (self.pool[evidence].first.value, self.pool[evidence].further.value)
+            pooled = None if self.pool is None else self.pool[evidence]
+            prior = () if pooled is None else (pooled.first.value, pooled.further.value)
             self.by_evidence[evidence] = Acceptance(*prior, decay=self.decay)
         return self.by_evidence[evidence]
 
@@ -179,10 +180,9 @@ class BatchEngine:
         self.stats = BatchStats()
 
     def forget_acceptance(self) -> None:
-        """Start the acceptance pool over (between runs of a benchmark); running requests keep their own."""
-        self.pooled_acceptance = AcceptanceByEvidence.pooled()
-        for estimate in self.acceptance.values():
-            estimate.pool = self.pooled_acceptance
+        """Start the acceptance pool over (between runs of a benchmark); running requests keep their own, and
+        feed the emptied pool (they share it)."""
+        self.pooled_acceptance.by_evidence.clear()
 
     @property
     def active(self) -> int:

@@ -64,11 +64,10 @@ def verify(tree: DraftTree, logits: torch.Tensor | GreedyChoices, params: Sampli
     from (None entries: deterministic children there). `typical`: Medusa's rule when sampling. `allowed` [N, V]
     bool: a grammar's tokens allowed after each node's path (structured outputs); the others get -inf first.
     Greedy verification takes GreedyChoices (each row's argmax) in place of logits as well."""
-    if isinstance(logits, GreedyChoices):
-        if not params.greedy or allowed is not None:
-            raise ValueError("greedy choices stand in for logits only in greedy verification without a grammar")
-        return greedy_chain(tree.draft, logits) if tree.is_chain else greedy_tree(tree, logits)
-    logits = mask_logits(logits, allowed)
+    if not isinstance(logits, GreedyChoices):
+        logits = mask_logits(logits, allowed)
+    elif not params.greedy or allowed is not None:
+        raise ValueError("greedy choices stand in for logits only in greedy verification without a grammar")
     if params.greedy:
         return greedy_chain(tree.draft, logits) if tree.is_chain else greedy_tree(tree, logits)
     if typical is not None:
