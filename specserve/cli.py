@@ -213,7 +213,7 @@ def bench(
         report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
                   "quantization": target.model.quantization,
                   "dataset": str(dataset), "num_prompts": len(prompts), "max_tokens": max_tokens,
-                  "max_draft_len": config.speculative.max_draft_len, "methods": results}
+                  "max_draft_len": config.speculative.draft_len, "methods": results}
         if costs:
             report["forward_ms_by_tokens"] = costs
             report["roofline"] = floor

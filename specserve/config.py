@@ -26,7 +26,7 @@ import yaml
 from specserve.checks import ConfigError, check_keys, flag, int_at_least, resolve_path
 from specserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from specserve.speculative import registry
-from specserve.speculative.base import MethodEntry, MethodOptions
+from specserve.speculative.base import DEFAULT_DRAFT_LEN, MethodEntry, MethodOptions
 
 __all__ = ["ConfigError", "DeploymentConfig", "ModelConfig", "ServingConfig", "SpeculativeConfig", "build_engine",
            "load_model_yaml", "resolve_tensor_parallel_size"]
@@ -57,7 +57,7 @@ class ServingConfig:
 @dataclass
 class SpeculativeConfig:
     method: str = registry.PLAIN  # a registry name (`ar`: plain decoding)
-    max_draft_len: int = 4  # draft tokens per step (trees: the depth limit)
+    max_draft_len: int | None = None  # draft tokens per step (trees: the depth limit); None: the method's default
     model: str | None = None  # the draft model or the head's directory
     # each step drafts the length (<= max_draft_len) with the most expected tokens/s from measured step costs and
     # acceptance; false drafts max_draft_len every step, as TRT-LLM and vLLM do
@@ -74,6 +74,13 @@ class SpeculativeConfig:
         return None if self.entry is None else self.entry.parse(self)
 
     @property
+    def draft_len(self) -> int:
+        """max_draft_len as given, else the method's default for its draft-length policy."""
+        if self.max_draft_len is not None:
+            return self.max_draft_len
+        return DEFAULT_DRAFT_LEN if self.entry is None else self.entry.default_draft_len(self.adaptive_draft_len)
+
+    @property
     def label(self) -> str:
         """The method as the command line names it (`eagle3+ngram` for an EAGLE tree with the lookup branch)."""
         return registry.PLAIN if self.entry is None else self.options.label
@@ -85,7 +92,7 @@ class SpeculativeConfig:
 
     def check(self) -> None:
         """ConfigError for a bad draft length or a bad value of a key the method reads."""
-        int_at_least(self.max_draft_len, "max_draft_len")
+        int_at_least(self.draft_len, "max_draft_len")
         if self.entry is not None:
             self.entry.parse(self)
 
@@ -180,5 +187,5 @@ def build_engine(config: DeploymentConfig, target: LoadedModel | None = None):
 
     target = target or config.model.load()
     method = build_method(config.speculative, target)
-    return Engine(target, method, config.speculative.max_draft_len if method else 0, config.model.max_model_len,
+    return Engine(target, method, config.speculative.draft_len if method else 0, config.model.max_model_len,
                   config.speculative.adaptive_draft_len)

@@ -49,6 +49,20 @@ triton_config:
     assert not fixed.speculative.adaptive_draft_len
 
 
+def test_draft_length_defaults_by_method_and_policy(tmp_path):
+    """An unset max_draft_len is 4, except n-gram drafts chosen per step (priced by their matched n): 6."""
+    def spec_of(text):
+        config = load_model_yaml(write(tmp_path / "m.yaml", "model: gemma-3-270m\nspeculative_config:\n" + text))
+        return config.speculative
+
+    ngram = spec_of("  decoding_type: NGram\n")
+    assert ngram.draft_len == 6 and ngram.options.prompt_lookup_max == 5
+    assert spec_of("  decoding_type: NGram\n  adaptive_draft_len: false\n").draft_len == 4
+    assert spec_of("  decoding_type: NGram\n  max_draft_len: 3\n").draft_len == 3
+    assert spec_of("  decoding_type: Suffix\n").draft_len == 4
+    assert load_model_yaml(write(tmp_path / "b.yaml", "model: gemma-3-270m\n")).speculative.draft_len == 4
+
+
 @pytest.mark.parametrize("text,needle", [
     ("model: m\nbogus: 1\n", "bogus"),
     ("model: m\nspeculative_config:\n  decoding_type: NGram\n  typo_len: 3\n", "typo_len"),

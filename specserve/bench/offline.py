@@ -184,7 +184,7 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
     runs: dict[str, MethodRun] = {}
     heads = heads or {}
     for name in methods:
-        draft_len = base.speculative.max_draft_len
+        draft_len = base.speculative.draft_len
         if name in HF_METHODS:
             runs[name] = run_hf_method(target, prompts, max_tokens, name, draft_len)
             continue

@@ -42,7 +42,7 @@ log = logging.getLogger("specserve.server")
 def default_config() -> DeploymentConfig:
     """`specserve serve` with no model: the embedded default with the default method, streaming allowed."""
     return DeploymentConfig(serving=ServingConfig(max_batch_size=0, decoupled=True),
-                            speculative=SpeculativeConfig(DEFAULT_METHOD, max_draft_len=4))
+                            speculative=SpeculativeConfig(DEFAULT_METHOD))
 
 
 def build_repository(model_repository: str | Path | None = None, model: str | None = None,

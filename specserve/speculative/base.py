@@ -22,6 +22,8 @@ from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain, DraftTree
 from specserve.speculative.verify import TypicalAcceptance
 
+DEFAULT_DRAFT_LEN = 4  # max_draft_len when a config gives none (trees: the depth limit)
+
 
 @dataclass
 class Proposal:
@@ -111,7 +113,7 @@ class MethodOptions:
 
     name: str = ""  # the method's canonical name
     model: str | None = None  # the draft model or the head's directory (`speculative_model`)
-    max_draft_len: int = 4
+    max_draft_len: int = DEFAULT_DRAFT_LEN
     adaptive_draft_len: bool = True
     KEYS: ClassVar[frozenset[str]] = frozenset()  # the speculative_config keys `read` understands
     # keys that only mean something for this method, and the owner as the error names it when another method has them
@@ -153,10 +155,17 @@ class MethodEntry:
     vllm_keys: frozenset[str] = frozenset()  # its speculative_config keys that vLLM's model.json has too
     # the draft length when a vLLM config gives none, from its settings (vLLM's rule; None: it must be given)
     vllm_default_draft_len: Callable[[dict], int] | None = None
+    # max_draft_len when none is given and each step chooses its draft length (which prices a long draft by its
+    # evidence, so a higher cap costs nothing where drafts are unsure); None: DEFAULT_DRAFT_LEN
+    adaptive_draft_cap: int | None = None
+
+    def default_draft_len(self, adaptive: bool) -> int:
+        """max_draft_len when the config gives none."""
+        return (self.adaptive_draft_cap or DEFAULT_DRAFT_LEN) if adaptive else DEFAULT_DRAFT_LEN
 
     def parse(self, spec) -> MethodOptions:
         """Typed, checked options from a SpeculativeConfig (its common fields and its settings)."""
-        common = {"name": self.name, "model": spec.model, "max_draft_len": spec.max_draft_len,
+        common = {"name": self.name, "model": spec.model, "max_draft_len": spec.draft_len,
                   "adaptive_draft_len": spec.adaptive_draft_len}
         options = self.options(**{**common, **self.options.read(spec.settings)})
         options.check()

@@ -103,7 +103,7 @@ def read_lookup_bounds(settings: dict) -> dict:
 @dataclass
 class NGramOptions(MethodOptions):
     prompt_lookup_min: int = 1  # the shortest n-gram to match
-    prompt_lookup_max: int = 3  # the longest n-gram to match
+    prompt_lookup_max: int = 5  # the longest n-gram to match (the longest match drafts: a surer continuation)
     KEYS: ClassVar[frozenset[str]] = LOOKUP_KEYS
 
     @classmethod
@@ -115,4 +115,4 @@ class NGramOptions(MethodOptions):
 
 
 NGRAM = MethodEntry(NGramMethod.name, NGramOptions, lambda o, target: NGramMethod(o.prompt_lookup_min, o.prompt_lookup_max),
-                    aliases=("prompt_lookup",), trtllm="NGram", vllm=("ngram", "[ngram]"))
+                    aliases=("prompt_lookup",), trtllm="NGram", vllm=("ngram", "[ngram]"), adaptive_draft_cap=6)
