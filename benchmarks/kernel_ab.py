@@ -4,12 +4,15 @@
     python benchmarks/kernel_ab.py attention /tmp/old/cpu_kernels.cpp
     git show <rev>:specserve/csrc/quant_linear.cpp > /tmp/old/quant_linear.cpp
     python benchmarks/kernel_ab.py forward /tmp/old/quant_linear.cpp
+    python benchmarks/kernel_ab.py engine /tmp/old/quant_linear.cpp --methods ar,ngram --prompts 10
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
-`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, and
-the lm_head alone at 1, 5 and 8 rows; the logits of a 64-token forward checked bit-identical. Only for a
-quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
+`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, a
+64-token prefill forward, and the lm_head alone at 1, 5 and 8 rows; the logits of a 64-token forward checked
+bit-identical. Only for a quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
+`engine`: the first N general questions and N HumanEval prompts (128 tokens, greedy) through `Engine.generate` of
+each method (default config), the builds alternated prompt by prompt; outputs checked equal, tokens/s per build.
 
 Each case reports the median over `--rounds` of the median of a few timed calls; the machine's noise between runs
 is larger than between the two builds of one run, which is why they alternate.
@@ -110,6 +113,7 @@ def forward_cases(other, rounds: int) -> None:
 
     cases = {f"forward {rows} rows{' + lm_head' if logits else ''}": forward(rows, logits)
              for rows in (1, 5) for logits in (False, True)}
+    cases["prefill 64 rows"] = forward(64, False)
     for rows in (1, 5, 8):
         hidden = torch.randn(rows, model.spec.hidden_size).bfloat16()
         cases[f"lm_head {rows} rows"] = lambda hidden=hidden: model.logits(hidden, True)
@@ -125,18 +129,61 @@ def forward_cases(other, rounds: int) -> None:
     use("this")
 
 
+def engine_cases(other, methods: list[str], count: int) -> None:
+    import json
+    from dataclasses import replace
+
+    from specserve.config import DeploymentConfig, build_engine
+    from specserve.models import quant
+    from specserve.models.kernel_forward import kernel_plan
+    from specserve.models.loader import load_model
+    from specserve.speculative.sampling import SamplingParams
+
+    this, target, base = quant._kernel(), load_model(), DeploymentConfig()
+    files = [Path(__file__).parent / "general_questions.jsonl",
+             Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval_question.jsonl"]
+    prompts = [json.loads(line)["turns"][0] for path in files for line in path.read_text().splitlines()[:count]]
+    params = SamplingParams(max_tokens=128)
+
+    def use(name: str) -> None:
+        quant._ext = other if name == "other" else this
+        kernel_plan(target.model)._stack = None  # the layer loop holds the kernel it was made with
+
+    for method in methods:
+        engine = build_engine(replace(base, speculative=base.speculative.with_method(method)), target)
+        engine.generate(prompts[0], params)
+        engine.forget_requests()
+        seconds, tokens, outputs = {"other": 0.0, "this": 0.0}, {"other": 0, "this": 0}, {}
+        for i, prompt in enumerate(prompts):
+            for name in ("other", "this") if i % 2 == 0 else ("this", "other"):
+                use(name)
+                result = engine.generate(prompt, params)
+                seconds[name] += result.metrics.total_time_s
+                tokens[name] += result.metrics.output_tokens
+                outputs[name, i] = result.token_ids
+        equal = sum(outputs["other", i] == outputs["this", i] for i in range(len(prompts)))
+        other_speed, this_speed = (tokens[name] / seconds[name] for name in ("other", "this"))
+        print(f"{method}: other {other_speed:.1f} tok/s, this {this_speed:.1f} -> this is "
+              f"{this_speed / other_speed:.3f}x; outputs equal {equal}/{len(prompts)}")
+    use("this")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kind", choices=("attention", "forward"))
+    parser.add_argument("kind", choices=("attention", "forward", "engine"))
     parser.add_argument("source", type=Path, help="the other build's cpu_kernels.cpp (attention) or "
                                                   "quant_linear.cpp (forward)")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--methods", default="ar,ngram", help="engine: the methods compared")
+    parser.add_argument("--prompts", type=int, default=10, help="engine: prompts from each set")
     args = parser.parse_args()
-    other = build(args.kind, args.source)
+    other = build("forward" if args.kind == "engine" else args.kind, args.source)
     if args.kind == "attention":
         from specserve.models import cpu_kernels
 
         attention_cases(other, cpu_kernels._require(), args.rounds)
+    elif args.kind == "engine":
+        engine_cases(other, args.methods.split(","), args.prompts)
     else:
         forward_cases(other, args.rounds)
 

@@ -50,6 +50,10 @@ struct Packed {
   // the AVX-512 path's per-call activation terms for this weight's format (Lanes::for_format), else nullptr
   const int32_t* zero_psum = nullptr;
   const float* psum_f = nullptr;
+  // the AVX2 path's per-call terms of this format ([K/32][M][sub], BlockTerms): the integer it adds to a block's
+  // isum ((128 - zero) * psum for 8 bits, whose isum holds -128 psum; else -zero * psum), and float(psum)
+  const int32_t* block_shift = nullptr;
+  const float* block_psum_f = nullptr;
   int64_t qs_stride() const { return bits == 8 ? 512 : 256; }  // bytes per (tile, kblock)
   int planes_count() const { return bits == 8 ? 0 : bits - 4; }
   int subblocks() const { return kBlock / group; }
@@ -64,6 +68,7 @@ struct Acts {  // quantized activation rows
   const float* center = nullptr;
   const float* radius = nullptr;
   const struct Lanes* lanes = nullptr;  // the same rows interleaved (AVX-512 path)
+  const struct BlockTerms* blocks = nullptr;  // the same rows block by block (AVX2 path)
 };
 
 // The activation rows interleaved for the AVX-512 path, in groups of kMaxRows rows (the last group: the rest), row
@@ -78,6 +83,24 @@ struct Lanes {
   std::vector<std::pair<int, std::vector<float>>> psum_f;
 
   void for_format(const Acts& X, int64_t M, Packed& w);
+};
+
+// The activation rows as the AVX2 path reads them, block by block: row m's codes of block kb at p[(kb M + m) 32],
+// its dx at dx[kb M + m], and per format the terms a block adds at [(kb M + m) sub + sb]. A tile then finds every
+// row's terms of a block at fixed offsets from one pointer (row by row, each cost an index multiply, and the
+// zero-point term a multiply and a register broadcast, per row, block and tile: the multi-row tile was bound by
+// instructions issued, not by its integer work). The values are Acts', unchanged.
+struct BlockTerms {
+  int64_t M = 0;
+  const int8_t* p;  // Acts' own for one row (the same layout), else `p_copy`
+  const float* dx;
+  std::vector<int8_t> p_copy;
+  std::vector<float> dx_copy;
+  std::vector<std::pair<std::pair<int, int>, std::vector<int32_t>>> shift;  // per (multiplier, sub)
+  std::vector<std::pair<int, std::vector<float>>> psum_f;  // per sub
+
+  BlockTerms(const Acts& X, int64_t M);
+  void for_format(const Acts& X, Packed& w);
 };
 
 // The block's activation sum: per 16 inputs (G = 16, sub == 2) or the two halves of its 32 (G = 32).
@@ -311,15 +334,13 @@ SPECSERVE_AVX2 inline void prefetch_block(const Packed& W, int64_t at) {
   if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
 }
 
-// Row m's integer sums over one weight block's half (its decoded codes w, magnitudes mag for 8 bits), sub-block sb:
-// sum q p per output, or sum (q - 128) p for 8 bits.
+// A row's integer sums over one weight block's half (its decoded codes w, magnitudes mag for 8 bits), sub-block sb,
+// with p the row's 32 codes of the block: sum q p per output, or sum (q - 128) p for 8 bits.
 template <int BITS, int SUB>
-SPECSERVE_AVX2 inline __m256i block_isum_avx2(const Acts& X, int64_t kb, int64_t m, int sb, const __m256i* w,
-                                              const __m256i* mag) {
+SPECSERVE_AVX2 inline __m256i block_isum_avx2(const int8_t* p, int sb, const __m256i* w, const __m256i* mag) {
   constexpr int kGroups = 8 / SUB;
   constexpr int kRun = std::min(kGroups, BITS == 4 ? 8 : BITS == 5 ? 4 : BITS == 6 ? 2 : 1);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* p = X.p + m * X.K + kb * kBlock;
   __m256i isum = _mm256_setzero_si256();
   for (int g0 = sb * kGroups; g0 < (sb + 1) * kGroups; g0 += kRun) {
     __m256i run = _mm256_setzero_si256();
@@ -339,20 +360,21 @@ SPECSERVE_AVX2 inline __m256i block_isum_avx2(const Acts& X, int64_t kb, int64_t
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX2 inline void block_rows_avx2(const Packed& W, const Acts& X, int64_t at, int64_t kb, int h, int64_t m0,
                                            const __m256i* w, const __m256i* mag, __m256 (&acc)[MR]) {
-  const int64_t psum_stride = X.K / 16;
+  const int64_t rows_at = kb * X.blocks->M + m0;  // row m0's place in this block's terms
+  const int8_t* p = X.blocks->p + rows_at * kBlock;
+  const float* dx = X.blocks->dx + rows_at;
+  const int32_t* shift = W.block_shift + rows_at * SUB;
+  const float* psum_f = OFFS ? W.block_psum_f + rows_at * SUB : nullptr;
   for (int i = 0; i < MR; ++i) {
-    const int64_t m = m0 + i;
     for (int sb = 0; sb < SUB; ++sb) {
-      const __m256i isum = block_isum_avx2<BITS, SUB>(X, kb, m, sb, w, mag);
-      const int32_t psum = block_psum(X.psum16 + m * psum_stride + kb * 2, SUB, sb);
-      // isum - zero * psum, the same integer for 8 bits, whose isum already holds -128 psum
-      const int32_t shift = (BITS == 8 ? 128 - W.zero : -W.zero) * psum;
+      const __m256i isum = block_isum_avx2<BITS, SUB>(p + i * kBlock, sb, w, mag);
+      // isum - zero * psum (for 8 bits the same integer: its isum already holds -128 psum)
       const int64_t si = (at * SUB + sb) * kTile + 8 * h;
-      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum, _mm256_set1_epi32(shift))),
+      __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(isum, _mm256_set1_epi32(shift[i * SUB + sb]))),
                                _mm256_loadu_ps(W.scales + si));
       if constexpr (OFFS)
-        t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(float(psum)), t);
-      acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(X.dx[m * W.kblocks + kb]), acc[i]);
+        t = _mm256_fnmadd_ps(_mm256_loadu_ps(W.offsets + si), _mm256_set1_ps(psum_f[i * SUB + sb]), t);
+      acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(dx[i]), acc[i]);
     }
   }
 }
@@ -658,18 +680,24 @@ void interleave(const Acts& X, int64_t M, Lanes& L) {
     }
 }
 
-// The terms `value(m, kb, sb)` of every row, block and sub-block in Lanes order, made once per `key` and call.
-template <typename Key, typename T, typename F>
-const T* lane_terms(std::vector<std::pair<Key, std::vector<T>>>& made, const Key& key, int64_t M, int64_t kblocks,
-                    int sub, F value) {
+// The terms value(m, kb, sb) of every row, block and sub-block, term (m, kb, sb) at place(m, kb, sb), made once per
+// `key` and call (Lanes and BlockTerms order them differently).
+template <typename Key, typename T, typename F, typename P>
+const T* terms_once(std::vector<std::pair<Key, std::vector<T>>>& made, const Key& key, int64_t M, int64_t kblocks,
+                    int sub, F value, P place) {
   const auto found = std::find_if(made.begin(), made.end(), [&](const auto& e) { return e.first == key; });
   if (found != made.end()) return found->second.data();
   std::vector<T> terms(M * kblocks * sub);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t kb = 0; kb < kblocks; ++kb)
-      for (int sb = 0; sb < sub; ++sb) terms[lane_index(M, kblocks, m, kb, sub, sb)] = value(m, kb, sb);
+      for (int sb = 0; sb < sub; ++sb) terms[place(m, kb, sb)] = value(m, kb, sb);
   made.emplace_back(key, std::move(terms));
   return made.back().second.data();
+}
+
+// Row m's activation sum over sub-block sb of block kb.
+inline int32_t psum_at(const Acts& X, int64_t m, int64_t kb, int sub, int sb) {
+  return block_psum(X.psum16 + m * (X.K / 16) + kb * 2, sub, sb);
 }
 
 // Points w at the per-call terms of its format (zero * psum, and float(psum) where it has offsets): the same
@@ -677,12 +705,37 @@ const T* lane_terms(std::vector<std::pair<Key, std::vector<T>>>& made, const Key
 void Lanes::for_format(const Acts& X, int64_t M, Packed& w) {
   const int sub = w.subblocks();
   const int64_t kblocks = X.K / kBlock;
-  auto psum_at = [&](int64_t m, int64_t kb, int sb) { return block_psum(X.psum16 + m * (X.K / 16) + kb * 2, sub, sb); };
-  w.zero_psum = lane_terms(zero_psum, std::pair<int, int>{w.zero, sub}, M, kblocks, sub,
-                           [&](int64_t m, int64_t kb, int sb) { return int32_t(w.zero * psum_at(m, kb, sb)); });
-  if (w.offsets)
-    w.psum_f = lane_terms(psum_f, sub, M, kblocks, sub,
-                          [&](int64_t m, int64_t kb, int sb) { return float(psum_at(m, kb, sb)); });
+  const auto place = [&](int64_t m, int64_t kb, int sb) { return lane_index(M, kblocks, m, kb, sub, sb); };
+  const auto zero_psum_of = [&](int64_t m, int64_t kb, int sb) { return int32_t(w.zero * psum_at(X, m, kb, sub, sb)); };
+  const auto psum_f_of = [&](int64_t m, int64_t kb, int sb) { return float(psum_at(X, m, kb, sub, sb)); };
+  w.zero_psum = terms_once(zero_psum, std::pair<int, int>{w.zero, sub}, M, kblocks, sub, zero_psum_of, place);
+  if (w.offsets) w.psum_f = terms_once(psum_f, sub, M, kblocks, sub, psum_f_of, place);
+}
+
+BlockTerms::BlockTerms(const Acts& X, int64_t M) : M(M), p(X.p), dx(X.dx) {
+  if (M <= 1) return;
+  const int64_t kblocks = X.K / kBlock;
+  p_copy.resize(M * X.K);
+  dx_copy.resize(M * kblocks);
+  for (int64_t kb = 0; kb < kblocks; ++kb)
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(&p_copy[(kb * M + m) * kBlock], X.p + m * X.K + kb * kBlock, kBlock);
+      dx_copy[kb * M + m] = X.dx[m * kblocks + kb];
+    }
+  p = p_copy.data();
+  dx = dx_copy.data();
+}
+
+// Points w at the terms of its format: the integer its tiles add to a block's isum, and float(psum).
+void BlockTerms::for_format(const Acts& X, Packed& w) {
+  const int sub = w.subblocks();
+  const int64_t kblocks = X.K / kBlock;
+  const auto place = [&](int64_t m, int64_t kb, int sb) { return (kb * M + m) * sub + sb; };
+  const int multiplier = w.bits == 8 ? 128 - w.zero : -w.zero;
+  const auto shift_of = [&](int64_t m, int64_t kb, int sb) { return int32_t(multiplier * psum_at(X, m, kb, sub, sb)); };
+  const auto psum_f_of = [&](int64_t m, int64_t kb, int sb) { return float(psum_at(X, m, kb, sub, sb)); };
+  w.block_shift = terms_once(shift, std::pair<int, int>{multiplier, sub}, M, kblocks, sub, shift_of, place);
+  if (w.offsets) w.block_psum_f = terms_once(psum_f, sub, M, kblocks, sub, psum_f_of, place);
 }
 
 Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes, const at::Tensor& scales,
@@ -759,10 +812,14 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
     quantize_rows(isa, x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
   Acts X{p.data(), dx.data(), psum16.data(), K};
   Lanes lanes;
+  BlockTerms blocks(X, isa == Isa::avx2 ? M : 0);
   if (isa == Isa::avx512) {
     interleave(X, M, lanes);
     for (Packed& w : W) lanes.for_format(X, M, w);
     X.lanes = &lanes;
+  } else if (isa == Isa::avx2) {
+    for (Packed& w : W) blocks.for_format(X, w);
+    X.blocks = &blocks;
   }
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
@@ -840,8 +897,8 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   if (isa == Isa::avx512) isa = Isa::avx2;  // no AVX-512 screen tile; the AVX2 tiles give the same logits
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
-  const Packed S = packed_from(screen_qs, screen_planes, scales, std::nullopt, N, 5, 32, 16);
-  const Packed W = packed_from(qs, std::nullopt, scales, std::nullopt, N, 8, 32, 128);
+  Packed S = packed_from(screen_qs, screen_planes, scales, std::nullopt, N, 5, 32, 16);
+  Packed W = packed_from(qs, std::nullopt, scales, std::nullopt, N, 8, 32, 128);
   TORCH_CHECK(S.tiles == W.tiles && S.kblocks == W.kblocks, "the screen and the weight differ in shape");
   const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), kblocks = K / kBlock;
@@ -858,6 +915,12 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   Acts X{p.data(), dx.data(), psum16.data(), K};
   X.center = center.data();
   X.radius = radius.data();
+  BlockTerms blocks(X, isa == Isa::avx2 ? M : 0);
+  if (isa == Isa::avx2) {
+    blocks.for_format(X, S);
+    blocks.for_format(X, W);
+    X.blocks = &blocks;
+  }
   const float slack = 1.f + 512.f * float(kblocks + 2) / float(1 << 24);
   const auto screen_fns = tiles(isa, S);
   const DecodedTiles screen_once = decoded_tiles(isa, S, M);
