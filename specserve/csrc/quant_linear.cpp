@@ -87,9 +87,9 @@ struct Lanes {
 
 // The activation rows as the AVX2 path reads them, block by block: row m's codes of block kb at p[(kb M + m) 32],
 // its dx at dx[kb M + m], and per format the terms a block adds at [(kb M + m) sub + sb]. A tile then finds every
-// row's terms of a block at fixed offsets from one pointer (row by row, each cost an index multiply, and the
-// zero-point term a multiply and a register broadcast, per row, block and tile: the multi-row tile was bound by
-// instructions issued, not by its integer work). The values are Acts', unchanged.
+// row's terms of a block at fixed offsets from one pointer. Read row by row, each row cost an index multiply, and
+// its zero-point term a multiply and a register broadcast, per block and tile: the multi-row tile was bound by the
+// instructions it issued, not by its integer work. The values are Acts', unchanged.
 struct BlockTerms {
   int64_t M = 0;
   const int8_t* p;  // Acts' own for one row (the same layout), else `p_copy`
