@@ -12,28 +12,18 @@ full logits + argmax against `screen_argmax`, alternated round by round; answers
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-from kernel_ab import timed  # this folder is on the path when a script in it runs
+from kernel_ab import prompts, timed  # this folder is on the path when a script in it runs
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models import cpu_kernels, quant
 from specserve.models.loader import load_model
 from specserve.models.transformer import GREEDY_SCREEN
 from specserve.speculative.sampling import SamplingParams
-
-HERE = Path(__file__).parent
-HUMANEVAL = HERE.parent.parent / "shared" / "data" / "humaneval_question.jsonl"
-
-
-def prompts(count: int) -> list[str]:
-    files = [HERE / "general_questions.jsonl", HUMANEVAL]
-    return [json.loads(line)["turns"][0] for path in files for line in path.read_text().splitlines()[:count]]
 
 
 def engine_ab(target, methods: list[str], questions: list[str]) -> None:

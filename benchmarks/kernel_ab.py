@@ -21,6 +21,7 @@ is larger than between the two builds of one run, which is why they alternate.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import tempfile
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parents[1] / "specserve" / "csrc"
+HERE = Path(__file__).parent
+HUMANEVAL = HERE.parent.parent / "shared" / "data" / "humaneval_question.jsonl"
 ATTENTION_SHAPES = ((1, 4, 1, 200), (1, 4, 5, 200), (1, 4, 8, 1000), (8, 4, 4, 300), (2, 3, 3, 50), (1, 8, 2, 100))
 
 
@@ -43,6 +46,12 @@ def build(kind: str, source: Path):
     flags = ["-O3", "-march=native"] if kind == "attention" else ["-O3", "-ffp-contract=off"]
     return load(name=f"kernel_ab_{kind}", sources=[str(folder / source.name)], extra_cflags=[*flags, "-fopenmp"],
                 extra_ldflags=["-fopenmp"], build_directory=str(folder))
+
+
+def prompts(count: int) -> list[str]:
+    """The first `count` general questions, then the first `count` HumanEval prompts."""
+    files = [HERE / "general_questions.jsonl", HUMANEVAL]
+    return [json.loads(line)["turns"][0] for path in files for line in path.read_text().splitlines()[:count]]
 
 
 def timed(run, calls: int) -> float:
@@ -130,7 +139,6 @@ def forward_cases(other, rounds: int) -> None:
 
 
 def engine_cases(other, methods: list[str], count: int) -> None:
-    import json
     from dataclasses import replace
 
     from specserve.config import DeploymentConfig, build_engine
@@ -140,10 +148,7 @@ def engine_cases(other, methods: list[str], count: int) -> None:
     from specserve.speculative.sampling import SamplingParams
 
     this, target, base = quant._kernel(), load_model(), DeploymentConfig()
-    files = [Path(__file__).parent / "general_questions.jsonl",
-             Path(__file__).resolve().parents[2] / "shared" / "data" / "humaneval_question.jsonl"]
-    prompts = [json.loads(line)["turns"][0] for path in files for line in path.read_text().splitlines()[:count]]
-    params = SamplingParams(max_tokens=128)
+    questions, params = prompts(count), SamplingParams(max_tokens=128)
 
     def use(name: str) -> None:
         quant._ext = other if name == "other" else this
@@ -151,20 +156,20 @@ def engine_cases(other, methods: list[str], count: int) -> None:
 
     for method in methods:
         engine = build_engine(replace(base, speculative=base.speculative.with_method(method)), target)
-        engine.generate(prompts[0], params)
+        engine.generate(questions[0], params)
         engine.forget_requests()
         seconds, tokens, outputs = {"other": 0.0, "this": 0.0}, {"other": 0, "this": 0}, {}
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(questions):
             for name in ("other", "this") if i % 2 == 0 else ("this", "other"):
                 use(name)
                 result = engine.generate(prompt, params)
                 seconds[name] += result.metrics.total_time_s
                 tokens[name] += result.metrics.output_tokens
                 outputs[name, i] = result.token_ids
-        equal = sum(outputs["other", i] == outputs["this", i] for i in range(len(prompts)))
+        equal = sum(outputs["other", i] == outputs["this", i] for i in range(len(questions)))
         other_speed, this_speed = (tokens[name] / seconds[name] for name in ("other", "this"))
         print(f"{method}: other {other_speed:.1f} tok/s, this {this_speed:.1f} -> this is "
-              f"{this_speed / other_speed:.3f}x; outputs equal {equal}/{len(prompts)}")
+              f"{this_speed / other_speed:.3f}x; outputs equal {equal}/{len(questions)}")
     use("this")
 
 
