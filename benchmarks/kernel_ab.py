@@ -8,8 +8,9 @@
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
-`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, a
-64-token prefill forward, and the lm_head alone at 1, 5 and 8 rows; the logits of a 64-token forward checked
+`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, 8
+requests of one row each, a 64-token prefill forward, the lm_head alone at 1, 5 and 8 rows, and the greedy screen
+(`screen_argmax`) at 1 and 8 rows of a real text's final states; the logits of a 64-token forward checked
 bit-identical. Only for a quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
 `engine`: the first N general questions and N HumanEval prompts (128 tokens, greedy) through `Engine.generate` of
 each method (default config), the builds alternated prompt by prompt; outputs checked equal, tokens/s per build.
@@ -102,40 +103,61 @@ def forward_cases(other, rounds: int) -> None:
     from specserve.models.kv_cache import KVCache
     from specserve.models.loader import load_model
 
-    this = quant._kernel()
-    model = load_model().model
+    this, loaded = quant._kernel(), load_model()
+    model = loaded.model
     plan = kernel_plan(model)
 
     def use(name: str) -> None:
         quant._ext = other if name == "other" else this
         plan._stack = None  # the layer loop holds the kernel it was made with
 
-    no_logits = torch.empty(1, 0, dtype=torch.long)
-
-    def forward(rows: int, logits: bool, context: int = 200):
-        cache = KVCache.for_model(model, 1, context + rows + 1)
-        positions = torch.arange(context)[None]
-        model(torch.randint(0, 1000, (1, context)), positions, cache, positions, logits_rows=no_logits)
-        cache.lengths[0] = context
-        tokens, at = torch.zeros(1, rows, dtype=torch.long), torch.arange(context, context + rows)[None]
+    def forward(rows: int, logits: bool, context: int = 200, batch: int = 1):
+        cache = KVCache.for_model(model, batch, context + rows + 1)
+        positions = torch.arange(context)[None].expand(batch, -1)
+        no_logits = torch.empty(batch, 0, dtype=torch.long)
+        model(torch.randint(0, 1000, (batch, context)), positions, cache, positions, logits_rows=no_logits)
+        cache.lengths[:] = context
+        tokens = torch.zeros(batch, rows, dtype=torch.long)
+        at = torch.arange(context, context + rows)[None].expand(batch, -1)
         return lambda: model(tokens, at, cache, at, logits_rows=None if logits else no_logits)
 
     cases = {f"forward {rows} rows{' + lm_head' if logits else ''}": forward(rows, logits)
              for rows in (1, 5) for logits in (False, True)}
+    cases["forward 8 requests of 1 row"] = forward(1, False, batch=8)
     cases["prefill 64 rows"] = forward(64, False)
     for rows in (1, 5, 8):
         hidden = torch.randn(rows, model.spec.hidden_size).bfloat16()
         cases[f"lm_head {rows} rows"] = lambda hidden=hidden: model.logits(hidden, True)
-    logits = {}
+    # a real text's final states: on random ones the screen would keep nearly every tile
+    states = final_states(model, loaded.tokenizer, 28)
+
+    def screen(hidden: torch.Tensor) -> torch.Tensor:
+        return quant.screen_argmax(hidden, model.lm_head_packed, model.greedy_screen)
+
+    for rows in (1, 8):
+        cases[f"greedy screen {rows} rows"] = lambda hidden=states[20:20 + rows]: screen(hidden)
+    logits, choices = {}, {}
     for name in ("other", "this"):
         use(name)
         cache = KVCache.for_model(model, 1, 80)
         positions = torch.arange(64)[None]
         logits[name] = model(positions + 100, positions, cache, positions).logits
+        choices[name] = screen(states)
     assert torch.equal(logits["other"], logits["this"]), "logits differ"
-    print("64-token logits bit-identical")
+    assert torch.equal(choices["other"], choices["this"]), "greedy screen answers differ"
+    print("64-token logits and greedy screen answers bit-identical")
     compare(cases, use, rounds, calls=5)
     use("this")
+
+
+def final_states(model, tokenizer, count: int) -> torch.Tensor:
+    """The final normed hidden states [count, H] of the first `count` tokens of the first general questions."""
+    from specserve.models.kv_cache import KVCache
+
+    ids = torch.tensor([tokenizer.encode(" ".join(prompts(5)[:5]))[:count]])
+    positions = torch.arange(ids.shape[1])[None]
+    cache = KVCache.for_model(model, 1, ids.shape[1])
+    return model(ids, positions, cache, positions, output_layers=(-1,)).hidden_states[-1][0]
 
 
 def engine_cases(other, methods: list[str], count: int) -> None:

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -765,6 +766,36 @@ Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes
   return W;
 }
 
+// Items 0..n-1 over the threads: f(next) runs once on each thread, next() giving its next item or -1. A call of
+// fewer than kSharedFrom items (a layer's linear at a decoding step) splits them statically, one contiguous share
+// per thread. A longer one (the lm_head and its greedy screen: 16k tiles) shares them out as threads come free: a
+// thread takes a run of consecutive items, 1 / (2 threads) of those left and at least kShortestRun, so runs are
+// long (sequential reads) early and short near the end. Statically, whichever thread was slowed (stolen time on a
+// VM) held the other at the join; the lm_head then ran 1.03-1.08x slower and the screen at 8 rows 1.03-1.12x
+// (docs/benchmarks.md, session 22). Which thread computes an item never changes how it is computed.
+constexpr int64_t kSharedFrom = 1024;
+constexpr int64_t kShortestRun = 4;  // each take is an atomic add on a line both threads write
+
+template <typename F>
+void split_items(int64_t n, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  std::atomic<int64_t> taken{0};
+  specserve::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    // statically: this share's [first, last) of `threads` shares; an inline call (nested, one thread) has them all
+    int64_t at = n * first / threads, end = n * last / threads;
+    const bool shared = n >= kSharedFrom;
+    if (shared) at = end = 0;
+    f([&]() -> int64_t {
+      if (at == end && shared) {
+        const int64_t run = std::max(kShortestRun, (n - taken.load(std::memory_order_relaxed)) / (2 * threads));
+        at = std::min(n, taken.fetch_add(run));
+        end = std::min(n, at + run);
+      }
+      return at < end ? at++ : -1;
+    });
+  });
+}
+
 // y = x @ [W_0; W_1; ...].T + bias: several packed weights over the same input (fused q/k/v or gate/up whose
 // formats differ) in one call, x quantized once, their tiles shared out over the threads together; weight i's
 // outputs are columns [sum N_<i}, + N_i) of y.
@@ -827,11 +858,11 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y32 = out_type == at::kFloat ? y.data_ptr<float>() : nullptr;
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
-  specserve::parallel_for(0, int64_t(work.size()), 1, [&](int64_t begin, int64_t end) {
+  split_items(int64_t(work.size()), [&](const auto& next) {
     float block[kMaxRows * kTile];
     std::vector<uint8_t> decoded_bytes(decoded_kblocks * 2 * 8 * sizeof(__m256i));
     __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());  // read and written unaligned
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item; (item = next()) >= 0;) {
       const auto [i, tile] = work[item];
       const Packed& w = W[i];
       const DecodedTiles& once = decoded_fns[i];
@@ -930,12 +961,12 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   // each output's upper bound ([tile][m][16]), and each row's best lower bound and non-finite flag per thread
   std::vector<float> top(W.tiles * M * kTile);
   std::vector<float> lower(threads * M, -INFINITY);
-  specserve::parallel_for(0, W.tiles, 1, [&](int64_t begin, int64_t end) {
+  split_items(W.tiles, [&](const auto& next) {
     const ScreenFold fold{slack, lower.data() + at::get_thread_num() * M, bad.data() + at::get_thread_num() * M};
     float block[kMaxRows * kTile];
     std::vector<uint8_t> decoded_bytes(decoded_blocks * 2 * 8 * sizeof(__m256i));
     __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());
-    for (int64_t tile = begin; tile < end; ++tile) {
+    for (int64_t tile; (tile = next()) >= 0;) {
       if (screen_once.decode) screen_once.decode(S, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));

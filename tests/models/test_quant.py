@@ -141,6 +141,39 @@ def test_a_fused_linear_of_mixed_formats_is_one_call_computing_the_parts():
     assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
 
 
+@pytest.mark.parametrize("isa", isa_paths())
+def test_outputs_do_not_depend_on_the_threads_that_compute_them(isa, monkeypatch):
+    """Long calls share their tiles out as threads come free (quant_linear.cpp's split_items), so the tiles each
+    thread computes change from call to call: the outputs may not. A fused call of three formats long enough to be
+    shared out (runs cross from one weight to the next), a weight of one tile (fewer tiles than threads), and the
+    greedy screen of an lm_head-like weight of over 1024 tiles."""
+    monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+    parts = [quant.QuantLinear(packed_weight(kind, rows=rows, cols=64, seed=i)[0])
+             for i, (kind, rows) in enumerate([("Q5_0", 10000), ("Q8_0", 7000), ("Q4_0", 72)])]
+    fused = quant.FusedQuantLinear(parts)
+    single, _ = packed_weight("Q6_K", rows=16, cols=256)
+    lm_head, dense = packed_weight("Q8_0", rows=16500, cols=64)
+    x64, x256 = (torch.randn(9, cols, generator=torch.Generator().manual_seed(5)).bfloat16() for cols in (64, 256))
+    near = dense[torch.arange(0, 16500, 1700)].bfloat16() * 4
+
+    def outputs():
+        return [fused(x64), single.matmul(x256, out_fp32=True),
+                quant.screen_argmax(near, lm_head, lm_head.greedy_screen())]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = outputs()
+        torch.set_num_threads(max(threads, 2))
+        for _ in range(3):
+            for got, want in zip(outputs(), alone):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone[0], torch.cat([part(x64) for part in parts], -1))
+    assert torch.equal(alone[2], lm_head.matmul(near, out_fp32=True).argmax(-1))
+
+
 def test_packed_weights_cache_round_trip(tmp_path):
     weights = {"a.weight": packed_weight("Q6_K")[0], "b.weight": packed_weight("Q4_1")[0]}
     quant.save_packed(weights, tmp_path / "w.st")
