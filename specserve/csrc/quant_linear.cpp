@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -766,6 +767,29 @@ Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes
   return W;
 }
 
+// The activation layout a call's vector tiles read, made once per call and pointed to from X and from each weight
+// the call reads: Lanes on the AVX-512 path, BlockTerms on the AVX2 path, nothing on the scalar one.
+class CallLayout {
+ public:
+  CallLayout(Isa isa, Acts& X, int64_t M, const std::vector<Packed*>& weights) {
+    if (isa == Isa::avx512) {
+      interleave(X, M, lanes_);
+      for (Packed* w : weights) lanes_.for_format(X, M, *w);
+      X.lanes = &lanes_;
+    } else if (isa == Isa::avx2) {
+      blocks_.emplace(X, M);
+      for (Packed* w : weights) blocks_->for_format(X, *w);
+      X.blocks = &*blocks_;
+    }
+  }
+  CallLayout(const CallLayout&) = delete;  // X and the weights point into it
+  CallLayout& operator=(const CallLayout&) = delete;
+
+ private:
+  Lanes lanes_;
+  std::optional<BlockTerms> blocks_;
+};
+
 // Items 0..n-1 over the threads: f(next) runs once on each thread, next() giving its next item or -1. A call of
 // fewer than kSharedFrom items (a layer's linear at a decoding step) splits them statically, one contiguous share
 // per thread. A longer one (the lm_head and its greedy screen: 16k tiles) shares them out as threads come free: a
@@ -842,16 +866,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   else
     quantize_rows(isa, x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
   Acts X{p.data(), dx.data(), psum16.data(), K};
-  Lanes lanes;
-  BlockTerms blocks(X, isa == Isa::avx2 ? M : 0);
-  if (isa == Isa::avx512) {
-    interleave(X, M, lanes);
-    for (Packed& w : W) lanes.for_format(X, M, w);
-    X.lanes = &lanes;
-  } else if (isa == Isa::avx2) {
-    for (Packed& w : W) blocks.for_format(X, w);
-    X.blocks = &blocks;
-  }
+  std::vector<Packed*> weights;
+  for (Packed& w : W) weights.push_back(&w);
+  const CallLayout layout(isa, X, M, weights);
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor y = at::empty({M, width}, x.options().dtype(out_type));
@@ -946,12 +963,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   Acts X{p.data(), dx.data(), psum16.data(), K};
   X.center = center.data();
   X.radius = radius.data();
-  BlockTerms blocks(X, isa == Isa::avx2 ? M : 0);
-  if (isa == Isa::avx2) {
-    blocks.for_format(X, S);
-    blocks.for_format(X, W);
-    X.blocks = &blocks;
-  }
+  const CallLayout layout(isa, X, M, {&S, &W});
   const float slack = 1.f + 512.f * float(kblocks + 2) / float(1 << 24);
   const auto screen_fns = tiles(isa, S);
   const DecodedTiles screen_once = decoded_tiles(isa, S, M);
