@@ -767,25 +767,31 @@ Packed packed_from(const at::Tensor& qs, const std::optional<at::Tensor>& planes
   return W;
 }
 
-// The activation layout a call's vector tiles read, made once per call and pointed to from X and from each weight
-// the call reads: Lanes on the AVX-512 path, BlockTerms on the AVX2 path, nothing on the scalar one.
+// The activation layout a call's vector tiles read, made once per call and pointed to from X, then from each
+// weight the call reads (for_format): Lanes on the AVX-512 path, BlockTerms on the AVX2 path, nothing on the
+// scalar one.
 class CallLayout {
  public:
-  CallLayout(Isa isa, Acts& X, int64_t M, const std::vector<Packed*>& weights) {
+  CallLayout(Isa isa, Acts& X, int64_t M) : X_(X), M_(M) {
     if (isa == Isa::avx512) {
       interleave(X, M, lanes_);
-      for (Packed* w : weights) lanes_.for_format(X, M, *w);
       X.lanes = &lanes_;
     } else if (isa == Isa::avx2) {
       blocks_.emplace(X, M);
-      for (Packed* w : weights) blocks_->for_format(X, *w);
       X.blocks = &*blocks_;
     }
   }
   CallLayout(const CallLayout&) = delete;  // X and the weights point into it
   CallLayout& operator=(const CallLayout&) = delete;
 
+  void for_format(Packed& w) {
+    if (X_.lanes) lanes_.for_format(X_, M_, w);
+    if (blocks_) blocks_->for_format(X_, w);
+  }
+
  private:
+  const Acts& X_;
+  int64_t M_;
   Lanes lanes_;
   std::optional<BlockTerms> blocks_;
 };
@@ -866,9 +872,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   else
     quantize_rows(isa, x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
   Acts X{p.data(), dx.data(), psum16.data(), K};
-  std::vector<Packed*> weights;
-  for (Packed& w : W) weights.push_back(&w);
-  const CallLayout layout(isa, X, M, weights);
+  CallLayout layout(isa, X, M);
+  for (Packed& w : W) layout.for_format(w);
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor y = at::empty({M, width}, x.options().dtype(out_type));
@@ -963,7 +968,9 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   Acts X{p.data(), dx.data(), psum16.data(), K};
   X.center = center.data();
   X.radius = radius.data();
-  const CallLayout layout(isa, X, M, {&S, &W});
+  CallLayout layout(isa, X, M);
+  layout.for_format(S);
+  layout.for_format(W);
   const float slack = 1.f + 512.f * float(kblocks + 2) / float(1 << 24);
   const auto screen_fns = tiles(isa, S);
   const DecodedTiles screen_once = decoded_tiles(isa, S, M);
