@@ -5,8 +5,9 @@
 
 `engine`: the first N general questions and the first N HumanEval prompts (128 tokens, greedy) through
 `Engine.generate`, screen on and off (SPECSERVE_GREEDY_SCREEN) alternated pass by pass; outputs checked equal.
-`lm_head`: final hidden states captured while generating, then the lm_head's greedy choice for R of them at once,
-full logits + argmax against `screen_argmax`, alternated round by round; answers checked equal.
+`lm_head`: the final hidden states of a real text's first tokens (kernel_ab.final_states), then the lm_head's greedy
+choice for R of them at once, full logits + argmax against `screen_argmax`, alternated round by round; answers
+checked equal.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 from dataclasses import replace
 
 import torch
-from kernel_ab import prompts, timed  # this folder is on the path when a script in it runs
+from kernel_ab import final_states, prompts, timed  # this folder is on the path when a script in it runs
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models import cpu_kernels, quant
@@ -47,21 +48,10 @@ def engine_ab(target, methods: list[str], questions: list[str]) -> None:
               f"({on / off:.3f}x)")
 
 
-def lm_head_ab(target, rows: list[int], questions: list[str], rounds: int) -> None:
+def lm_head_ab(target, rows: list[int], rounds: int) -> None:
     model = target.model
-    caught, logits = [], model.logits
-
-    def capture(hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        caught.append(hidden.reshape(-1, hidden.shape[-1]))
-        return logits(hidden, row_invariant)
-
-    model.logits = capture
-    engine = build_engine(DeploymentConfig(), target)
-    os.environ[GREEDY_SCREEN] = "0"
-    for question in questions[:2]:
-        engine.generate(question, SamplingParams(max_tokens=48))
-    del model.logits
-    hidden = torch.cat(caught)[-max(rows):]
+    # a real text's states: on random ones the screen keeps nearly every tile
+    hidden = final_states(model, target.tokenizer, max(rows))
     os.environ[GREEDY_SCREEN] = "1"
     weight, screen = model.lm_head_packed, model.greedy_screen
     cases = {"full": lambda h: cpu_kernels.argmax(weight.matmul(h, out_fp32=True)),
@@ -83,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=("engine", "lm_head"))
     parser.add_argument("--methods", default="ar,ngram")
-    parser.add_argument("--prompts", type=int, default=5, help="from each set")
+    parser.add_argument("--prompts", type=int, default=5, help="engine: prompts from each set")
     parser.add_argument("--rows", default="1,2,3,5,8,16,40")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
@@ -91,7 +81,7 @@ def main() -> None:
     if args.kind == "engine":
         engine_ab(target, args.methods.split(","), prompts(args.prompts))
     else:
-        lm_head_ab(target, [int(r) for r in args.rows.split(",")], prompts(args.prompts), args.rounds)
+        lm_head_ab(target, [int(r) for r in args.rows.split(",")], args.rounds)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,8 @@ def final_states(model, tokenizer, count: int) -> torch.Tensor:
     from specserve.models.kv_cache import KVCache
 
     ids = torch.tensor([tokenizer.encode(" ".join(prompts(5)[:5]))[:count]])
+    if ids.shape[1] < count:
+        raise ValueError(f"the text has {ids.shape[1]} tokens, fewer than the {count} states asked for")
     positions = torch.arange(ids.shape[1])[None]
     cache = KVCache.for_model(model, 1, ids.shape[1])
     return model(ids, positions, cache, positions, output_layers=(-1,)).hidden_states[-1][0]
