@@ -1,8 +1,8 @@
 """The decoding loop for one request: prefill, then draft -> verify in one target forward -> commit, until a stop.
 
 With no method (or max_draft_len 0) every step verifies an empty draft, which is plain autoregressive decoding
-through the very same code path. With `adaptive_draft_len` a request runs through a one-row `BatchEngine`, whose
-draft-length choice is the server's (`stream_adaptive`); without it, every step drafts max_draft_len.
+through the very same code path. A request runs through a one-row `BatchEngine`, the server's step: with
+`adaptive_draft_len` its draft-length choice is the server's; without it, every step drafts max_draft_len.
 
 A prompt longer than PREFILL_CHUNK tokens is prefilled in chunks of PREFILL_CHUNK (positions [0, C), [C, 2C), ...;
 the last piece, at most C tokens, is the ordinary forward that samples the first token). The boundaries depend on
@@ -180,7 +180,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.method = method
         self.max_draft_len = max_draft_len if method is not None else 0
-        # each step's draft length chosen as the server's batch engine chooses it (`stream_adaptive`)
+        # each step's draft length chosen as the server's batch engine chooses it (`stream`)
         self.adaptive_draft_len = adaptive_draft_len and bool(self.max_draft_len)
         self._solo_batch = None  # that one-row batch engine, kept across requests
         # KV slots a verify step may use beyond the committed tokens (a tree needs all its nodes)
@@ -276,34 +276,18 @@ class Engine:
         return len(prompt_ids) + params.max_tokens + self.draft_slots
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if self.adaptive_draft_len:
-            yield from self.stream_adaptive(prompt_ids, params)
-            return
-        seq = self.new_sequence(prompt_ids, params)
-        cache = KVCache.for_model(self.model, 1, self.capacity_for(prompt_ids, params))
-        while not seq.finished:
-            if self.prefill_chunk(cache, seq):
-                continue
-            failed = self.draft([seq], self.max_draft_len)
-            if failed:
-                raise failed[0][1]
-            event = self.forward(cache, [seq])[0]
-            if isinstance(event, Exception):
-                raise event
-            if event is not None:
-                yield event
-
-    def stream_adaptive(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        """One request through a batch engine of one row: each step drafts the length with the most expected tokens
-        per second (the target's measured step costs, the request's acceptance per evidence, learnt from the
-        requests before it too), as the server does. The same tokens as fixed-length drafts: only the speed
-        differs."""
+        """One request through a one-row batch engine, the server's step, kept across requests. With
+        `adaptive_draft_len` each step drafts the length with the most expected tokens per second (the target's
+        measured step costs, the request's acceptance per evidence, learnt from the requests before it too), as
+        the server does; without it every step drafts max_draft_len (or the request's own cap). The same tokens
+        either way: only the speed differs."""
         from specserve.engine.batch import BatchEngine
         from specserve.engine.step_costs import target_verify_seconds
 
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self._solo_batch is None:
-            self._solo_batch = BatchEngine(self, 1, costs=target_verify_seconds(self.target))
+            costs = target_verify_seconds(self.target) if self.adaptive_draft_len else None
+            self._solo_batch = BatchEngine(self, 1, adaptive_draft=self.adaptive_draft_len, costs=costs)
         batch = self._solo_batch
         seq = batch.add(prompt_ids, params)
         try:
