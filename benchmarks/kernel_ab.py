@@ -60,24 +60,15 @@ def prompts(count: int) -> list[str]:
     return [json.loads(line)["turns"][0] for path in files for line in path.read_text().splitlines()[:count]]
 
 
-def timed(run, calls: int) -> float:
+def timed(run, calls: int, statistic=statistics.median) -> float:
+    """`statistic` (the median, or min for the least time) of `calls` timed runs after one untimed."""
     run()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def least_time(run, calls: int) -> float:
-    run()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return statistic(times)
 
 
 def compare(cases: dict, use, rounds: int, calls: int) -> None:
@@ -199,7 +190,7 @@ def linear_cases(other, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 
             quant._ext = other if build_name == "other" else this
             for name, weight in weights.items():
                 for m, x in inputs.items():
-                    seconds = least_time(lambda: weight.matmul(x), calls=15)
+                    seconds = timed(lambda: weight.matmul(x), calls=15, statistic=min)
                     key = (name, m, build_name)
                     best[key] = min(best.get(key, seconds), seconds)
     quant._ext = this
