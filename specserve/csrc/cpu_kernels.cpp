@@ -827,16 +827,49 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   return out.transpose(1, 2);
 }
 
-// RMSNorm of one row in fp32 with a sequential sum (one fixed order per row); `o` may be `row`.
+// RMSNorm of one row in fp32; `o` may be `row`. The sum of squares runs in 16 lanes (lane l: fma(x_i, x_i, .) for
+// i = l, l + 16, ... in order), then hsum16's tree: one fixed order per row on every path, and ~16x shorter than a
+// sequential sum's chain of dependent adds, which made the norms most of a layer's glue.
 // gemma: bf16((x * r) * w) with w = 1 + weight precomputed in fp32; llama: bf16(w * bf16(x * r)), as HF rounds.
-void norm_row(const bf16* row, const float* w, int64_t D, float eps, bool gemma, bf16* o) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < D; ++i) {
-    const float v = static_cast<float>(row[i]);
-    sum += v * v;
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum_squares(const bf16* row, int64_t D) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    const __m256 a = load_bf16x8(row + i), b = load_bf16x8(row + i + 8);
+    lo = _mm256_fmadd_ps(a, a, lo);
+    hi = _mm256_fmadd_ps(b, b, hi);
   }
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-  for (int64_t i = 0; i < D; ++i) {
+  if (i == D) return hsum16(lo, hi);
+  float lane[16];
+  _mm256_storeu_ps(lane, lo);
+  _mm256_storeu_ps(lane + 8, hi);
+  for (; i < D; ++i) lane[i % 16] = std::fma(float(row[i]), float(row[i]), lane[i % 16]);
+  return hsum16_lanes(lane);
+}
+
+// o[0..7] = the norm's rounding of x[0..7] * inv with weights w[0..7] (see norm_row).
+inline void store_normed8(const bf16* x, __m256 inv, const float* w, bool gemma, bf16* o) {
+  const __m256 normed = _mm256_mul_ps(load_bf16x8(x), inv);
+  const __m256 scaled = gemma ? _mm256_mul_ps(normed, _mm256_loadu_ps(w))
+                              : _mm256_mul_ps(_mm256_loadu_ps(w), widen_bf16x8(round_to_bf16x8(normed)));
+  _mm_storeu_si128((__m128i*)o, round_to_bf16x8(scaled));
+}
+#else
+inline float sum_squares(const bf16* row, int64_t D) {
+  float lane[16] = {};
+  for (int64_t i = 0; i < D; ++i) lane[i % 16] = std::fma(float(row[i]), float(row[i]), lane[i % 16]);
+  return hsum16_lanes(lane);
+}
+#endif
+
+void norm_row(const bf16* row, const float* w, int64_t D, float eps, bool gemma, bf16* o) {
+  const float inv = 1.0f / std::sqrt(sum_squares(row, D) / static_cast<float>(D) + eps);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (const __m256 inv8 = _mm256_set1_ps(inv); i + 8 <= D; i += 8) store_normed8(row + i, inv8, w + i, gemma, o + i);
+#endif
+  for (; i < D; ++i) {
     const float normed = static_cast<float>(row[i]) * inv;
     o[i] = gemma ? bf16(normed * w[i]) : bf16(w[i] * static_cast<float>(bf16(normed)));
   }
@@ -849,8 +882,9 @@ const float* norm_weight(const std::optional<at::Tensor>& w, int64_t D, const ch
   return w->data_ptr<float>();
 }
 
-// Row-wise kernels below run inline for a decoding step's few rows and split larger batches over threads.
-constexpr int64_t kRowGrain = 8;
+// Row-wise kernels below run inline for fewer than kRowGrain rows (one request's decoding step) and split more over
+// the threads: at 8 requests of one row each, a layer's glue ran on one thread while the other waited.
+constexpr int64_t kRowGrain = 4;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "rms_norm: x must be contiguous bf16");
@@ -871,7 +905,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 // x <- rope(x) = x * cos + rotate_half(x) * sin for one head row, each product and the sum rounded to bf16.
 inline void rope_row(bf16* x, const bf16* cos, const bf16* sin, int64_t D) {
   const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const auto rounded = [](__m256 v) { return widen_bf16x8(round_to_bf16x8(v)); };
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (; i + 8 <= half; i += 8) {
+    const __m256 a = load_bf16x8(x + i), b = load_bf16x8(x + i + half);
+    const __m256 lo = _mm256_add_ps(rounded(_mm256_mul_ps(a, load_bf16x8(cos + i))),
+                                    rounded(_mm256_mul_ps(_mm256_xor_ps(b, sign), load_bf16x8(sin + i))));
+    const __m256 hi = _mm256_add_ps(rounded(_mm256_mul_ps(b, load_bf16x8(cos + i + half))),
+                                    rounded(_mm256_mul_ps(a, load_bf16x8(sin + i + half))));
+    _mm_storeu_si128((__m128i*)(x + i), round_to_bf16x8(lo));
+    _mm_storeu_si128((__m128i*)(x + i + half), round_to_bf16x8(hi));
+  }
+#endif
+  for (; i < half; ++i) {
     const float a = x[i], b = x[i + half];
     const float lo = float(bf16(a * float(cos[i]))) + float(bf16(-b * float(sin[i])));
     const float hi = float(bf16(b * float(cos[i + half]))) + float(bf16(a * float(sin[i + half])));
@@ -1042,7 +1090,13 @@ std::vector<at::Tensor> residual_norm(const at::Tensor& x, const at::Tensor& y,
         norm_row(yr, pw, D, float(eps), gemma, yn.data());
         yr = yn.data();
       }
-      for (int64_t i = 0; i < D; ++i) out[r * D + i] = bf16(float(xs[r * D + i]) + float(yr[i]));
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= D; i += 8)
+        _mm_storeu_si128((__m128i*)(out + r * D + i),
+                         round_to_bf16x8(_mm256_add_ps(load_bf16x8(xs + r * D + i), load_bf16x8(yr + i))));
+#endif
+      for (; i < D; ++i) out[r * D + i] = bf16(float(xs[r * D + i]) + float(yr[i]));
       norm_row(out + r * D, nw, D, float(eps), gemma, no + r * D);
     }
   });

@@ -160,6 +160,43 @@ def test_rms_norm_matches_the_model_norm_and_is_row_invariant(gemma):
         assert torch.equal(ck.rms_norm(x[i:i + 1], norm.kernel_weight(), norm.eps, gemma)[0], got[i])
 
 
+@pytest.fixture(scope="module")
+def scalar_build():
+    """This source built for the x86-64 baseline: its scalar paths, next to the vector ones this CPU runs."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the vector paths are x86 code")
+    return ck._compile("specserve_cpu_kernels_baseline", ck.SOURCE, ["-march=x86-64"])
+
+
+@pytest.mark.parametrize("d", [640, 256, 40, 17])
+def test_norm_glue_is_bit_identical_on_the_scalar_path(scalar_build, d):
+    """rms_norm, residual_norm and rope_store's q/k norms and rope: the vector paths (AVX2, also in AVX-512
+    builds) sum and round as the scalar path does, tails included."""
+    x, y = (torch.randn(6, d) * 3).bfloat16(), torch.randn(6, d).bfloat16()
+    w, post = torch.randn(d), torch.randn(d)
+    for gemma in (True, False):
+        assert torch.equal(ck.rms_norm(x, w, 1e-6, gemma), scalar_build.rms_norm(x, w, 1e-6, gemma))
+        for p in (post, None):
+            got = ck.residual_norm(x, y, p, w, 1e-6, gemma)
+            want = scalar_build.residual_norm(x, y, p, w, 1e-6, gemma)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if d % 2:
+        return
+    b, t, h = 2, 3, 2
+    q, k, v = torch.randn(b, t, h * d).bfloat16(), torch.randn(b, t, d).bfloat16(), torch.randn(b, t, d).bfloat16()
+    angles = torch.randn(b, t, d)
+    slots = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    outs = []
+    for build in (ck._load(), scalar_build):
+        keys, values = torch.zeros(b, 1, 8, d).bfloat16(), torch.zeros(b, 1, 8, d).bfloat16()
+        rotated = build.rope_store(q, k, v, w, post, 1e-6, True, angles.cos().bfloat16(), angles.sin().bfloat16(),
+                                   keys, values, slots)
+        outs.append((rotated, keys, values))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
     for shape in [(1, 262144), (5, 1000), (3, 17), (2, 1), (2, 3, 40)]:
         x = torch.randn(*shape)
