@@ -882,8 +882,8 @@ const float* norm_weight(const std::optional<at::Tensor>& w, int64_t D, const ch
   return w->data_ptr<float>();
 }
 
-// Row-wise kernels below run inline for fewer than kRowGrain rows (one request's decoding step) and split more over
-// the threads: at 8 requests of one row each, a layer's glue ran on one thread while the other waited.
+// Row-wise kernels below run on one thread for up to kRowGrain rows (one request's decoding step) and split more
+// over the threads: at 8 requests of one row each, a layer's glue ran on one thread while the other waited.
 constexpr int64_t kRowGrain = 4;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool gemma) {
