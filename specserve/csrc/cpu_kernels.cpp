@@ -70,10 +70,13 @@ inline __m128i round_to_bf16x8(__m256 v) {
   return _mm_unpacklo_epi64(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 
+// float(bf16(v)), 8 lanes: what a bf16 op between two fp32 steps leaves.
+inline __m256 bf16_rounded8(__m256 v) { return widen_bf16x8(round_to_bf16x8(v)); }
+
 // out[0..7] = bf16(float(bf16(act)) * float(up[0..7])): the activation rounded before the product, as the two
 // PyTorch ops round.
 inline void store_gated8(__m256 act, const bf16* up, bf16* out) {
-  const __m256 product = _mm256_mul_ps(widen_bf16x8(round_to_bf16x8(act)), load_bf16x8(up));
+  const __m256 product = _mm256_mul_ps(bf16_rounded8(act), load_bf16x8(up));
   _mm_storeu_si128((__m128i*)out, round_to_bf16x8(product));
 }
 
@@ -827,6 +830,11 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   return out.transpose(1, 2);
 }
 
+// lane[i % 16] = fma(x_i, x_i, lane[i % 16]) for i in [from, D): the whole scalar path, and the vector path's tail.
+inline void add_squares(const bf16* row, int64_t from, int64_t D, float* lane) {
+  for (int64_t i = from; i < D; ++i) lane[i % 16] = std::fma(float(row[i]), float(row[i]), lane[i % 16]);
+}
+
 // RMSNorm of one row in fp32; `o` may be `row`. The sum of squares runs in 16 lanes (lane l: fma(x_i, x_i, .) for
 // i = l, l + 16, ... in order), then hsum16's tree: one fixed order per row on every path, and ~16x shorter than a
 // sequential sum's chain of dependent adds, which made the norms most of a layer's glue.
@@ -844,7 +852,7 @@ inline float sum_squares(const bf16* row, int64_t D) {
   float lane[16];
   _mm256_storeu_ps(lane, lo);
   _mm256_storeu_ps(lane + 8, hi);
-  for (; i < D; ++i) lane[i % 16] = std::fma(float(row[i]), float(row[i]), lane[i % 16]);
+  add_squares(row, i, D, lane);
   return hsum16_lanes(lane);
 }
 
@@ -852,13 +860,13 @@ inline float sum_squares(const bf16* row, int64_t D) {
 inline void store_normed8(const bf16* x, __m256 inv, const float* w, bool gemma, bf16* o) {
   const __m256 normed = _mm256_mul_ps(load_bf16x8(x), inv);
   const __m256 scaled = gemma ? _mm256_mul_ps(normed, _mm256_loadu_ps(w))
-                              : _mm256_mul_ps(_mm256_loadu_ps(w), widen_bf16x8(round_to_bf16x8(normed)));
+                              : _mm256_mul_ps(_mm256_loadu_ps(w), bf16_rounded8(normed));
   _mm_storeu_si128((__m128i*)o, round_to_bf16x8(scaled));
 }
 #else
 inline float sum_squares(const bf16* row, int64_t D) {
   float lane[16] = {};
-  for (int64_t i = 0; i < D; ++i) lane[i % 16] = std::fma(float(row[i]), float(row[i]), lane[i % 16]);
+  add_squares(row, 0, D, lane);
   return hsum16_lanes(lane);
 }
 #endif
@@ -907,14 +915,13 @@ inline void rope_row(bf16* x, const bf16* cos, const bf16* sin, int64_t D) {
   const int64_t half = D / 2;
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const auto rounded = [](__m256 v) { return widen_bf16x8(round_to_bf16x8(v)); };
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (; i + 8 <= half; i += 8) {
     const __m256 a = load_bf16x8(x + i), b = load_bf16x8(x + i + half);
-    const __m256 lo = _mm256_add_ps(rounded(_mm256_mul_ps(a, load_bf16x8(cos + i))),
-                                    rounded(_mm256_mul_ps(_mm256_xor_ps(b, sign), load_bf16x8(sin + i))));
-    const __m256 hi = _mm256_add_ps(rounded(_mm256_mul_ps(b, load_bf16x8(cos + i + half))),
-                                    rounded(_mm256_mul_ps(a, load_bf16x8(sin + i + half))));
+    const __m256 lo = _mm256_add_ps(bf16_rounded8(_mm256_mul_ps(a, load_bf16x8(cos + i))),
+                                    bf16_rounded8(_mm256_mul_ps(_mm256_xor_ps(b, sign), load_bf16x8(sin + i))));
+    const __m256 hi = _mm256_add_ps(bf16_rounded8(_mm256_mul_ps(b, load_bf16x8(cos + i + half))),
+                                    bf16_rounded8(_mm256_mul_ps(a, load_bf16x8(sin + i + half))));
     _mm_storeu_si128((__m128i*)(x + i), round_to_bf16x8(lo));
     _mm_storeu_si128((__m128i*)(x + i + half), round_to_bf16x8(hi));
   }
