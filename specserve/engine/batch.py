@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from specserve.engine.draft_gate import DraftGate, GatePool
 from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
 from specserve.engine.step_costs import StepCosts
 from specserve.models.kv_cache import KVCache
@@ -178,11 +179,16 @@ class BatchEngine:
         self.costs = (costs or StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
+        # drafting that runs a model is gated per request by what it pays (draft_gate.py); free drafting is not
+        self.gated = self.costs is not None and not engine.method.drafts_for_free
+        self.gates: dict[Sequence, DraftGate] = {}
+        self.gate_pool = GatePool()
 
     def forget_acceptance(self) -> None:
-        """Start the acceptance pool over (between runs of a benchmark); running requests keep their own, and
-        feed the emptied pool (they share it)."""
+        """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
+        keep their own estimates."""
         self.pooled_acceptance.by_evidence.clear()
+        self.gate_pool = GatePool()
 
     @property
     def active(self) -> int:
@@ -260,7 +266,9 @@ class BatchEngine:
 
     def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
         draft_len = self.choose_draft_len(self.rows)
-        failed = self.engine.draft(self.rows, draft_len)  # a failed proposer ends its request alone
+        verify = self._verify_share(len(self.rows))
+        cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq).decide(verify))
+        failed = self.engine.draft(self.rows, draft_len, cheap)  # a failed proposer ends its request alone
         for seq, _ in failed:
             self._remove(seq)
         if not self.rows:
@@ -271,12 +279,15 @@ class BatchEngine:
             events = self._forward(seqs)
             self._score_shadows(seqs)
         else:
-            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal.evidence)
+            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
                       for seq in seqs]
             events = self._forward(seqs)
-            for seq, (drafted, accepted, evidence) in zip(seqs, before):
-                self.acceptance[seq].update(seq.metrics.total_draft_tokens - drafted,
-                                            seq.metrics.total_accepted_draft_tokens - accepted, evidence)
+            for seq, (drafted, accepted, proposal) in zip(seqs, before):
+                drafted = seq.metrics.total_draft_tokens - drafted
+                accepted = seq.metrics.total_accepted_draft_tokens - accepted
+                self.acceptance[seq].update(drafted, accepted, proposal.evidence)
+                if self.gated and seq in self.gates:
+                    self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify)
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -356,6 +367,7 @@ class BatchEngine:
         self.rows.pop()
         del self.acceptance[seq]
         self.shadows.pop(seq, None)
+        self.gates.pop(seq, None)
         self.cache.lengths[last] = 0
         self._fit_cache()
 
@@ -363,6 +375,19 @@ class BatchEngine:
         """Size the cache to the rows' committed, pending and draft tokens (slot == position)."""
         slots = max((len(seq.tokens) + len(seq.pending) + len(seq.proposal.tokens) for seq in self.rows), default=0)
         self.cache.fit(len(self.rows), slots)
+
+    def _gate(self, seq: Sequence) -> DraftGate:
+        if seq not in self.gates:
+            self.gates[seq] = DraftGate(self.gate_pool)
+        return self.gates[seq]
+
+    def _verify_share(self, rows: int):
+        """n -> one row's share of a step of `rows` rows in which that row verifies n draft tokens: the undrafted
+        step's cost per row plus what the n tokens add to the forward."""
+        if self.costs is None:
+            return None
+        base = self.costs(rows, rows)
+        return lambda n: base / rows + self.costs(rows + n, rows + n) - base
 
     def choose_draft_len(self, seqs: list[Sequence]) -> int:
         """The draft length (shared by the batch) with the most expected tokens per second of target time. A request

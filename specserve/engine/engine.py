@@ -329,13 +329,24 @@ class Engine:
         cache.lengths[0] = start + len(chunk)
         return True
 
-    def draft(self, seqs: list[Sequence], max_len: int) -> list[tuple[Sequence, Exception]]:
-        """Each sequence's next proposal, drafted by the method for the whole batch at once; returns the sequences
-        whose proposer failed (their requests end, the others go on)."""
+    def draft(self, seqs: list[Sequence], max_len: int, cheap: frozenset[Sequence] = frozenset()
+              ) -> list[tuple[Sequence, Exception]]:
+        """Each sequence's next proposal, drafted by the method for the whole batch at once (those in `cheap`:
+        their proposers' cheap drafts, `Proposer.propose_cheap`); returns the sequences whose proposer failed
+        (their requests end, the others go on)."""
         drafting = [seq for seq in seqs if seq.draft_room(max_len) > 0]
         for seq in seqs:
             seq.proposal = Proposal.chain(seq.pending[0], [])
         failed = []
+        for seq in [seq for seq in drafting if seq in cheap]:
+            drafting.remove(seq)
+            try:
+                start = time.perf_counter()
+                seq.proposal = seq.proposer.propose_cheap(seq.context, seq.draft_room(max_len))
+                seq.proposal.seconds, seq.proposal.cheap = time.perf_counter() - start, True
+                seq.constrain_draft()
+            except Exception as exc:  # noqa: BLE001 - this request's failure alone
+                failed.append((seq, exc))
         views = []  # each drafting sequence as the method sees it: after the tokens its grammar forces, if any
         for seq in drafting:
             try:

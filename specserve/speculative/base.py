@@ -10,6 +10,7 @@ To the configuration a method is a `MethodEntry` in `registry.py`: its names (ca
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -34,11 +35,13 @@ class Proposal:
     # what the draft rests on, where its acceptance depends on it (n-gram: the matched n): the draft-length choice
     # keeps a request's acceptance apart per value (None: one estimate for all its drafts)
     evidence: Hashable | None = None
+    seconds: float = 0.0  # the time the proposer took to draft it (the draft gate's cost of drafting)
+    cheap: bool = False  # drafted without running a model (the draft gate counts it as its cheap kind of step)
 
     @classmethod
-    def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None, evidence: Hashable | None = None
-              ) -> Proposal:
-        return cls(Chain(root, draft), probs, evidence=evidence)
+    def chain(cls, root: int, draft: list[int], probs: torch.Tensor | None = None, evidence: Hashable | None = None,
+              cheap: bool = False) -> Proposal:
+        return cls(Chain(root, draft), probs, evidence=evidence, cheap=cheap)
 
     @property
     def tokens(self) -> list[int]:
@@ -53,6 +56,11 @@ class Proposer(ABC):
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         """Draft up to max_len tokens (a tree: up to max_len deep) to follow `tokens` (prompt + generated); the
         root is tokens[-1]."""
+
+    def propose_cheap(self, tokens: list[int], max_len: int) -> Proposal:
+        """The draft to verify when drafting in full does not pay (`engine/draft_gate.py`): what costs no model
+        (none by default; an EAGLE tree's lookup branch). Must leave the proposer able to draft in full later."""
+        return Proposal.chain(tokens[-1], [])
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         """The target's features [n, F] of the n tokens the last forward committed, in order (for methods that
@@ -101,7 +109,10 @@ class SpecMethod(ABC):
         out: list[Proposal | Exception] = []
         for seq in seqs:
             try:
-                out.append(seq.proposer.propose(seq.context, seq.draft_room(max_len)))
+                start = time.perf_counter()
+                proposal = seq.proposer.propose(seq.context, seq.draft_room(max_len))
+                proposal.seconds = time.perf_counter() - start
+                out.append(proposal)
             except Exception as exc:  # noqa: BLE001 - the engine ends that request alone
                 out.append(exc)
         return out

@@ -215,21 +215,33 @@ class EagleProposer(Proposer):
         if max_len <= 0 or (not self.features and self.last_output is None):
             return Proposal.chain(tokens[-1], [])
         chain, rate = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], 0.0)
-        if self.budget.lookup_alone_pays(chain, rate):  # the head's pairs wait in self.features for a later step
-            nodes = Nodes(tokens[-1], None)
-            self._merge(nodes, chain, rate)
-            keep = self.budget.select(nodes)
-        else:
-            start = time.perf_counter()
-            self._catch_up(tokens)
-            nodes = self._grow(tokens[-1], max_len, chain, rate)
-            keep = self.budget.select(nodes)
-            if self.lookup is not None:
-                self.budget.note_head_rate(nodes, keep, time.perf_counter() - start)
+        if self.budget.lookup_alone_pays(chain, rate):
+            return self._lookup_only(tokens[-1], chain, rate)
+        start = time.perf_counter()
+        self._catch_up(tokens)
+        nodes = self._grow(tokens[-1], max_len, chain, rate)
+        keep = self.budget.select(nodes)
+        if self.lookup is not None:
+            self.budget.note_head_rate(nodes, keep, time.perf_counter() - start)
         if not keep:
             return Proposal.chain(tokens[-1], [])
         self.budget.expect(nodes, keep)
         return Proposal(nodes.tree(keep))
+
+    def propose_cheap(self, tokens: list[int], max_len: int) -> Proposal:
+        """The lookup branch alone (nothing without one); the head's pairs wait in self.features for a later step."""
+        if max_len <= 0 or self.lookup is None:
+            return Proposal.chain(tokens[-1], [])
+        return self._lookup_only(tokens[-1], *self.lookup.propose(tokens, max_len))
+
+    def _lookup_only(self, root: int, chain: list[int], rate: float) -> Proposal:
+        nodes = Nodes(root, None)
+        self._merge(nodes, chain, rate)
+        keep = self.budget.select(nodes)
+        if not keep:
+            return Proposal.chain(root, [], cheap=True)
+        self.budget.expect(nodes, keep)
+        return Proposal(nodes.tree(keep), cheap=True)
 
     def _catch_up(self, tokens: list[int]) -> None:
         """Run the head over the pairs (feature t, token t + 1) committed since the last step."""

@@ -17,7 +17,7 @@ from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, Specul
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.speculative.eagle_draft import EagleMethod, Nodes
+from specserve.speculative.eagle_draft import EagleMethod, EagleProposer, Nodes
 from specserve.speculative.lookup_branch import LookupBranch
 from specserve.speculative.registry import label, parse_method
 from specserve.speculative.tree_budget import TreeBudget
@@ -144,6 +144,29 @@ def test_hardware_aware_budget_is_lossless(loaded, tmp_path):
     for prompt in PROMPTS:
         params = SamplingParams(max_tokens=30)
         assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle3+ngram", "eagle"])
+def test_a_head_that_does_not_pay_stops_drafting_and_stays_exact(loaded, tmp_path, method, monkeypatch):
+    """A random head with measured costs (the default): the draft gate finds its drafts never pay and runs the
+    head only on rare probes (engine/draft_gate.py); the output is plain decoding's throughout."""
+    target = loaded("gemma3")
+    kind = "eagle" if method == "eagle" else "eagle3"
+    name, _, branch = method.partition("+")
+    settings = {"prompt_lookup_branch": True} if branch else {}
+    engine = engine_for(target, name, save_random(target, kind, tmp_path / "h"), 5, adaptive=True, **settings)
+    head_steps = []
+    grow = EagleProposer._grow
+    monkeypatch.setattr(EagleProposer, "_grow", lambda self, *a: head_steps.append(1) or grow(self, *a))
+    steps = []
+    for prompt in PROMPTS * 3:
+        params = SamplingParams(max_tokens=60)
+        head_steps.clear()
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids
+        steps.append((len(head_steps), got.metrics.target_forwards))
+    ran, total = map(sum, zip(*steps[3:]))  # once the first requests have taught the pool
+    assert ran <= 0.2 * total, steps
 
 
 # ---- prompt lookup as a branch of the tree --------------------------------------------------------------------

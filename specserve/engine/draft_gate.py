@@ -1,0 +1,119 @@
+"""Whether a request's drafting pays this step: the guard that keeps a speculative method from running slower than
+plain decoding.
+
+A method whose drafting runs a model (an EAGLE or Medusa head, a draft model) pays that model's time every step it
+drafts, whatever the target then accepts. Per request the gate compares two ways of taking a step, from what that
+request actually got:
+
+    full  : the method's draft.  tokens E_f per step for  d_f + v(n_f) seconds
+    cheap : what costs no model: nothing (plain decoding), or the lookup branch of an EAGLE tree (`eagle3+ngram`).
+            tokens E_c per step for  v(n_c) seconds
+
+E: tokens a step emits (1 + accepted draft tokens), d: drafting seconds (measured around the proposer), v(n): the
+target's measured cost of verifying n draft tokens (`StepCosts`, the batch's table, per row). It drafts in full while
+E_f / (d_f + v(n_f)) >= E_c / v(n_c). Estimates are exponentially smoothed (the last few steps count most) and start
+from the method's pool (every request so far, forgetting slowly), so a new request does not relearn a bad head.
+
+A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
+cheap steps it drafts two steps in full; a probe that loses doubles the backoff (up to MAX_BACKOFF), one that wins
+reopens the gate. A head that never pays therefore costs two drafted steps in MAX_BACKOFF at most. Drafting
+seconds are learnt only from a step that follows a drafted step (hence probes of two): the first one after skipped
+steps also catches the head up on the tokens it skipped (a one-off, like a prefill), which a steady step does not
+pay. Until one steady step is measured the gate stays open.
+
+Both kinds of step verify with the same verifier, so the gate changes speed only, never the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most
+PROBE_STEPS = 2
+DECAY = 0.8  # per observed step, the share of a request's estimate kept
+POOL_DECAY = 0.97
+
+
+@dataclass
+class Arm:
+    """Smoothed outcomes of one way of stepping: tokens per step, drafting seconds per step, draft tokens verified."""
+
+    tokens: float | None = None
+    draft_seconds: float | None = None
+    nodes: float = 0.0
+
+    def observe(self, tokens: int, nodes: int, draft_seconds: float | None, decay: float) -> None:
+        if self.tokens is None:
+            self.tokens, self.nodes = float(tokens), float(nodes)
+        else:
+            self.tokens = decay * self.tokens + (1 - decay) * tokens
+            self.nodes = decay * self.nodes + (1 - decay) * nodes
+        if draft_seconds is not None:
+            self.draft_seconds = draft_seconds if self.draft_seconds is None else \
+                decay * self.draft_seconds + (1 - decay) * draft_seconds
+
+    def copy(self) -> Arm:
+        return Arm(self.tokens, self.draft_seconds, self.nodes)
+
+
+@dataclass
+class GatePool:
+    """A method's estimates over every request so far: the start of each new request's gate."""
+
+    full: Arm = field(default_factory=Arm)
+    cheap: Arm = field(default_factory=Arm)
+    backoff: int = 1
+
+
+class DraftGate:
+    def __init__(self, pool: GatePool):
+        self.pool = pool
+        self.full, self.cheap = pool.full.copy(), pool.cheap.copy()
+        self.backoff = pool.backoff
+        self.skipped = 0
+        self.drafted_last = False  # whether the previous step drafted in full (its drafting cost is steady)
+        self.probe_steps = 0  # full steps left in the current probe
+
+    def rate(self, arm: Arm, verify_seconds) -> float:
+        return (arm.tokens or 1.0) / ((arm.draft_seconds or 0.0) + verify_seconds(arm.nodes))
+
+    def pays(self, verify_seconds) -> bool:
+        """Whether the full draft's tokens/s beat the cheap step's, by the estimates so far (True until a steady
+        full step has been measured)."""
+        if self.full.tokens is None or self.full.draft_seconds is None:
+            return True
+        return self.rate(self.full, verify_seconds) >= self.rate(self.cheap, verify_seconds)
+
+    def decide(self, verify_seconds) -> bool:
+        """Draft in full this step? `verify_seconds(n)`: this request's share of a step verifying n draft tokens."""
+        if self.probe_steps:
+            return True
+        if self.pays(verify_seconds):
+            return True
+        self.skipped += 1
+        if self.skipped > self.backoff:
+            self.probe_steps = PROBE_STEPS  # the first catches up on the skipped tokens, the next is steady
+            return True
+        return False
+
+    def observe(self, drafted_in_full: bool, tokens: int, nodes: int, draft_seconds: float,
+                verify_seconds) -> None:
+        """The step's outcome: tokens emitted, draft tokens verified, seconds spent drafting."""
+        steady = drafted_in_full and self.drafted_last
+        arm, pooled = (self.full, self.pool.full) if drafted_in_full else (self.cheap, self.pool.cheap)
+        seconds = draft_seconds if (steady or not drafted_in_full) else None
+        arm.observe(tokens, nodes, seconds, DECAY)
+        pooled.observe(tokens, nodes, seconds, POOL_DECAY)
+        self.drafted_last = drafted_in_full
+        if not drafted_in_full:
+            return
+        self.skipped = 0
+        probing = self.probe_steps > 0
+        self.probe_steps = max(self.probe_steps - 1, 0)
+        if self.probe_steps:
+            return
+        if self.pays(verify_seconds):
+            self.backoff = 1
+        elif probing:
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+        self.pool.backoff = self.backoff

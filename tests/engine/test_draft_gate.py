@@ -1,0 +1,66 @@
+"""The draft gate: drafting that does not pay stops (probing at a bounded rate), drafting that pays goes on, and a
+new request starts from what earlier requests found. Pure arithmetic on made-up outcomes; the engine-level
+losslessness with the gate on is in tests/speculative (greedy output equals plain decoding)."""
+
+from __future__ import annotations
+
+from specserve.engine.draft_gate import MAX_BACKOFF, PROBE_STEPS, DraftGate, GatePool
+
+
+def verify(n: float) -> float:
+    return 0.010 + 0.001 * n  # a plain step 10 ms, each verified draft token 1 ms more
+
+
+def run(gate: DraftGate, steps: int, accepted: int, nodes: int = 4, draft_seconds: float = 0.005) -> list[bool]:
+    """`steps` steps where a full draft of `nodes` tokens gets `accepted` of them; returns which steps drafted."""
+    drafted = []
+    for _ in range(steps):
+        full = gate.decide(verify)
+        drafted.append(full)
+        if full:
+            gate.observe(True, 1 + accepted, nodes, draft_seconds, verify)
+        else:
+            gate.observe(False, 1, 0, 0.0, verify)
+    return drafted
+
+
+def test_a_draft_that_pays_keeps_drafting():
+    gate = DraftGate(GatePool())
+    # 3 of 4 accepted: 4 tokens for 5 + 14 ms, against 1 token for 10 ms
+    assert all(run(gate, 200, accepted=3))
+
+
+def test_a_draft_that_never_pays_is_probed_ever_more_rarely():
+    gate = DraftGate(GatePool())
+    drafted = run(gate, 400, accepted=0)
+    assert drafted[0]  # optimistic before any evidence
+    starts = [i for i, d in enumerate(drafted) if d and not drafted[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert max(gaps) == MAX_BACKOFF + PROBE_STEPS  # a probe of two steps once per MAX_BACKOFF cheap steps at most
+    assert gaps == sorted(gaps)  # ever rarer
+    assert sum(drafted) < 2 * 400 / MAX_BACKOFF + 16
+
+
+def test_the_gate_reopens_when_drafts_start_to_pay():
+    gate = DraftGate(GatePool())
+    run(gate, 200, accepted=0)
+    later = run(gate, 200, accepted=4)
+    assert sum(later[-100:]) == 100  # a winning probe reopens it for good
+
+
+def test_a_new_request_starts_from_the_pool():
+    pool = GatePool()
+    run(DraftGate(pool), 300, accepted=0)
+    newcomer = run(DraftGate(pool), 60, accepted=0)
+    assert not newcomer[0]  # the pool says this head does not pay: no draft on the first step
+    assert sum(newcomer) <= PROBE_STEPS
+
+
+def test_drafting_seconds_are_learnt_from_steady_steps_only():
+    gate = DraftGate(GatePool())
+    gate.decide(verify)
+    gate.observe(True, 2, 4, 0.5, verify)  # the first drafted step: catches up on the prompt, slow
+    assert gate.full.draft_seconds is None
+    gate.decide(verify)
+    gate.observe(True, 2, 4, 0.004, verify)
+    assert gate.full.draft_seconds == 0.004
