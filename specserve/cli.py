@@ -337,6 +337,34 @@ def convert_dataset_command(
     typer.echo(f"Converted dataset {input_file} and saved to {output_file} ({count} prompts)")
 
 
+@app.command("distill")
+def distill_command(
+    out: Path = typer.Option(..., help="Token data directory (prompt + response ids; small enough to keep)."),
+    features: Path = typer.Option(..., help="Where the target's features go (kilobytes per token)."),
+    target: str = typer.Option(DEFAULT_MODEL, help=MODEL_HELP.removesuffix(" or a model.yaml")),
+    prompts: list[Path] = typer.Option([], help="Prompt files (JSONL with text or turns, or .txt paragraphs) added "
+                                                "to specserve's own general and code prompts; repeatable."),
+    held_out: list[Path] = typer.Option([], help="Evaluation prompt files that no training prompt may overlap."),
+    num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts of the shuffled set."),
+    max_tokens: int = typer.Option(128, help="Response tokens the target generates per prompt."),
+    batch_size: int = typer.Option(16, help="Requests decoded together."),
+) -> None:
+    """Self-distillation data for head training: the target's greedy responses and its features (resumable)."""
+    from specserve.train.distill import distill_tokens
+    from specserve.train.prompt_files import check_held_out, read_prompt_file
+    from specserve.train.prompt_set import distill_prompt_set
+
+    try:
+        train_prompts = distill_prompt_set(list(prompts))[:num_prompts]
+        check_held_out(train_prompts, [p for path in held_out for p in read_prompt_file(path)])
+        model = load_model(target)
+        report = distill_tokens(model, Path(target).name, train_prompts, out, features, max_tokens=max_tokens,
+                                batch_size=batch_size)
+    except (*USER_ERRORS, ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+    typer.echo(json.dumps(report))
+
+
 @app.command("train")
 def train_command(
     kind: str = typer.Argument(..., help=" or ".join(registry.train_kinds()) + "."),
@@ -346,6 +374,9 @@ def train_command(
     out: Path = typer.Option(..., help="Output directory: the head in its published layout, checkpoint, report."),
     data: Optional[Path] = typer.Option(None, help="Self-distillation data directory (default OUT/data); "
                                                    "reusable across methods for one target."),
+    distilled: Optional[Path] = typer.Option(None, help="Train on `specserve distill` token data instead "
+                                                        "(with --features)."),
+    features: Optional[Path] = typer.Option(None, help="The features of --distilled (recomputed where missing)."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N training prompts."),
     eval_prompts: Optional[Path] = typer.Option(None, help="Held-out evaluation prompts (default: the last 5% of "
                                                            "the training prompts, at most 20, kept out of training)."),
@@ -371,7 +402,7 @@ def train_command(
     from specserve.train.heads import TrainSettings
     from specserve.train.prompt_files import read_prompt_file
     from specserve.train.prompt_set import build_prompt_set
-    from specserve.train.run import run_training
+    from specserve.train.run import run_training, train_distilled
 
     if kind not in registry.train_kinds():
         fail(f"unknown head kind {kind!r}; choose {', '.join(registry.train_kinds())}")
@@ -386,8 +417,14 @@ def train_command(
                                  vocab_rows_only=vocab_rows_only)
         # the trainers read the target's embedding and lm_head as dense tables: train on the dequantized weights
         model = load_model(target, dtype=dtype, quantization="none")
-        report = run_training(model, kind, train_prompts, out, data, held_out, max_tokens, temperature, settings,
-                              echo=lambda text: typer.echo(text, err=True))
+        if distilled is not None:
+            if features is None or held_out is None:
+                fail("--distilled needs --features and --eval-prompts")
+            report = train_distilled(model, load_model(target, dtype=dtype), kind, distilled, features, out,
+                                     held_out, settings, max_tokens, echo=lambda text: typer.echo(text, err=True))
+        else:
+            report = run_training(model, kind, train_prompts, out, data, held_out, max_tokens, temperature,
+                                  settings, echo=lambda text: typer.echo(text, err=True))
     except (*USER_ERRORS, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     except OSError as exc:

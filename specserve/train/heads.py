@@ -69,7 +69,10 @@ def sample_windows(records: list[dict], settings: TrainSettings, step: int, micr
         for key in ("tokens", "labels", "final", "aux"):
             part = r[key][start:end]
             batch[key].append(F.pad(part, (0, 0, 0, pad) if part.dim() == 2 else (0, pad)))
-        batch["valid"].append(torch.arange(length) < end - start)
+        valid = torch.arange(length) < end - start
+        if "loss_from" in r:  # labels before it are not the target's own (distilled data: the prompt's text)
+            valid &= torch.arange(start, start + length) >= r["loss_from"]
+        batch["valid"].append(valid)
     return {k: torch.stack(v) for k, v in batch.items()}
 
 

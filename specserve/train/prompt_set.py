@@ -104,3 +104,18 @@ def build_prompt_set(num_code: int | None = None, seed: int = 0) -> list[str]:
     random.Random(seed + 1).shuffle(prompts)
     return prompts
 
+
+
+def distill_prompt_set(prompt_files: list[Path], seed: int = 0) -> list[str]:
+    """The head-training set: specserve's general questions, the openly licensed prompt files (first turns;
+    sources and licenses in specserve/heads/README.md) and the stdlib code prompts, deduplicated and shuffled
+    together, so that any prefix of the set (a partial run) holds each kind in proportion."""
+    from specserve.train.general_prompts import general_prompts
+    from specserve.train.prompt_files import read_prompt_file
+
+    prompts = general_prompts(seed) + code_prompts(seed)
+    for path in prompt_files:
+        prompts += read_prompt_file(path)
+    prompts = list(dict.fromkeys(prompts))
+    random.Random(seed + 2).shuffle(prompts)
+    return prompts

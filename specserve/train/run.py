@@ -12,6 +12,7 @@ from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.data import build_dataset, load_dataset
 from specserve.train.heads import TrainSettings, train
+from specserve.speculative.eagle import default_aux_layer_ids
 from specserve.train.prompt_files import check_held_out
 
 def split_held_out(prompts: list[str], fraction: float = 0.05, at_most: int = 20) -> tuple[list[str], list[str]]:
@@ -71,6 +72,29 @@ def run_training(target: LoadedModel, kind: str, prompts: list[str], out_dir, da
               "train_seconds": round(train_seconds, 1), "settings": settings.__dict__}
     if eval_prompts:
         report["eval"] = evaluate(target, kind, out_dir, eval_prompts, max_tokens)
+        e = report["eval"]
+        echo(f"held-out: tau {e['tau']:.2f} on {e['prompts']} prompts; acceptance by position "
+             + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"]))
+    (out_dir / "train_report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def train_distilled(dense: LoadedModel, served: LoadedModel, kind: str, distilled_dir, feature_dir, out_dir,
+                    eval_prompts: list[str], settings: TrainSettings, max_tokens: int = 128, echo=print) -> dict:
+    """Train on token data made by `specserve distill` (features from `feature_dir`, recomputed on `served` where
+    missing), then evaluate on the held-out prompts with the model the head will serve with."""
+    from specserve.train.distill import load_distilled
+
+    out_dir = Path(out_dir)
+    start = time.perf_counter()
+    records = load_distilled(distilled_dir, feature_dir, served)
+    echo(f"{len(records)} sequences, {sum(r['tokens'].numel() for r in records)} positions")
+    train(settings, dense, records, out_dir, aux_layer_ids=default_aux_layer_ids(dense.model.spec.num_layers))
+    report = {"kind": kind, "target": str(served.path), "train_sequences": len(records),
+              "train_tokens": sum(r["tokens"].numel() + 1 for r in records),
+              "train_seconds": round(time.perf_counter() - start, 1), "settings": settings.__dict__}
+    if eval_prompts:
+        report["eval"] = evaluate(served, kind, out_dir, eval_prompts, max_tokens)
         e = report["eval"]
         echo(f"held-out: tau {e['tau']:.2f} on {e['prompts']} prompts; acceptance by position "
              + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"]))

@@ -1,0 +1,79 @@
+"""`specserve distill`'s data: token shards that resume and refuse other prompts, features recorded in the
+generating pass (equal to one forward over the sequence), and training records with the prompt kept out of the
+loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specserve.engine.engine import Engine
+from specserve.speculative.sampling import SamplingParams
+from specserve.train.distill import distill_tokens, feature_file, load_distilled, load_token_data, recompute_features
+from specserve.train.heads import TrainSettings, sample_windows
+from tests.conftest import STORY_PROMPTS
+
+PROMPTS = STORY_PROMPTS[:6]
+
+
+@pytest.fixture(scope="module")
+def distilled(story_data, tmp_path_factory):
+    target = story_data[0]
+    root = tmp_path_factory.mktemp("distilled")
+    report = distill_tokens(target, "stories", PROMPTS, root / "tokens", root / "features", max_tokens=12,
+                            batch_size=4, shard_size=4)
+    return target, root, report
+
+
+def test_responses_are_greedy_decoding_and_resume_skips_finished_shards(distilled):
+    target, root, report = distilled
+    assert report["shards"] == 2 and report["new_response_tokens"] > 0
+    sequences = load_token_data(root / "tokens")
+    for prompt, seq in zip(PROMPTS, sequences):
+        plain = Engine(target).generate(prompt, SamplingParams(max_tokens=12))
+        assert seq["ids"][seq["prompt_tokens"]:] == plain.token_ids
+    again = distill_tokens(target, "stories", PROMPTS, root / "tokens", root / "features", max_tokens=12,
+                           batch_size=4, shard_size=4)
+    assert again["new_response_tokens"] == 0
+
+
+def test_other_prompts_or_settings_are_refused(distilled):
+    target, root, _ = distilled
+    with pytest.raises(ValueError, match="other prompts"):
+        distill_tokens(target, "stories", PROMPTS[::-1], root / "tokens", root / "features", max_tokens=12,
+                       batch_size=4, shard_size=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        distill_tokens(target, "stories", PROMPTS, root / "tokens", root / "features", max_tokens=20,
+                       batch_size=4, shard_size=4)
+
+
+def test_recorded_features_are_one_forward_over_the_sequence(distilled):
+    target, root, _ = distilled
+    sequences = load_token_data(root / "tokens")
+    recorded = torch.load(feature_file(root / "features", 0), weights_only=True)
+    for seq, features in zip(sequences, recorded):
+        assert features.shape[0] == len(seq["ids"]) - 1
+        # float32 here runs PyTorch's kernels, whose sums may round by forward size: close, not bit-equal
+        torch.testing.assert_close(features.float(), recompute_features(target, seq["ids"]).float(),
+                                   atol=0.05, rtol=0.02)
+
+
+def test_records_keep_the_prompt_out_of_the_loss_and_recompute_missing_features(distilled, tmp_path):
+    target, root, _ = distilled
+    records = load_distilled(root / "tokens", root / "features")
+    first = records[0]
+    assert torch.equal(first["labels"][:-1], first["tokens"][1:])
+    settings = TrainSettings(kind="eagle3", batch_size=1, seq_len=64)  # longer than the sequence: one window at 0
+    valid = sample_windows([first], settings, step=0, micro=0)["valid"][0]
+    assert first["loss_from"] > 0 and not valid[: first["loss_from"]].any()
+    assert valid[first["loss_from"]: first["tokens"].numel()].all()
+    # a machine without the features: they are recomputed from the ids
+    missing = tmp_path / "features"
+    rebuilt = load_distilled(root / "tokens", missing, target)
+    assert len(rebuilt) == len(records) and (missing / "features_00000.pt").exists()
+    with pytest.raises(FileNotFoundError, match="features_"):
+        load_distilled(root / "tokens", tmp_path / "none")
+    manifest = json.loads((root / "tokens" / "manifest.json").read_text())
+    assert manifest["target"] == "stories"
