@@ -350,12 +350,16 @@ def distill_command(
     batch_size: int = typer.Option(16, help="Requests decoded together."),
 ) -> None:
     """Self-distillation data for head training: the target's greedy responses and its features (resumable)."""
-    from specserve.train.distill import distill_tokens
+    from specserve.train.distill import distill_tokens, saved_prompts
     from specserve.train.prompt_files import check_held_out, read_prompt_file
     from specserve.train.prompt_set import distill_prompt_set
 
     try:
-        train_prompts = distill_prompt_set(list(prompts))[:num_prompts]
+        train_prompts = saved_prompts(out)
+        if train_prompts is not None:
+            typer.echo(f"resuming the prompt list saved in {out}", err=True)
+        else:
+            train_prompts = distill_prompt_set(list(prompts))[:num_prompts]
         check_held_out(train_prompts, [p for path in held_out for p in read_prompt_file(path)])
         model = load_model(target)
         report = distill_tokens(model, Path(target).name, train_prompts, out, features, max_tokens=max_tokens,

@@ -52,6 +52,7 @@ class MethodRun:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     warmup_s: float = 0.0
     method_state: dict = field(default_factory=dict)  # what the method held across requests at the end (its cache)
@@ -66,6 +67,9 @@ class MethodRun:
             "speedup_vs_ar": round(tps / (ar.output_tokens / ar.seconds), 4) if ar and ar.seconds else None,
             "outputs_equal_ar": all(equal) if equal else None,
             "outputs_equal_ar_fraction": round(sum(equal) / len(equal), 4) if equal else None,
+            "step_ms": round(1e3 * self.seconds / self.target_forwards, 3) if self.target_forwards else None,
+            "draft_ms_per_step": round(1e3 * self.draft_seconds / self.target_forwards, 3)
+            if self.target_forwards else None,
             "total_output_tokens": self.output_tokens,
             "total_time_s": round(self.seconds, 3),
             "mean_ttft_s": round(sum(self.ttft) / len(self.ttft), 4) if self.ttft else None,
@@ -109,6 +113,7 @@ def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) ->
         run.target_forwards += m.target_forwards
         run.drafted += m.total_draft_tokens
         run.accepted += m.total_accepted_draft_tokens
+        run.draft_seconds += m.draft_time_s
         run.ttft.append(m.time_to_first_token_s)
     run.method_state = engine.method.stats() if engine.method is not None else {}
     return run
@@ -165,7 +170,8 @@ def run_llamacpp_method(target: LoadedModel, gguf: Path | None, prompts: list[st
 
 
 def format_table(results: dict[str, dict]) -> str:
-    header = f"{'method':<14}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'accept':>8}{'= ar':>7}"
+    header = (f"{'method':<14}{'tok/s':>9}{'speedup':>9}{'tau':>7}{'accept':>8}{'= ar':>7}{'step ms':>9}"
+              f"{'draft ms':>10}")
     lines = [header, "-" * len(header)]
     def cell(value, width: int, spec: str = ".2f") -> str:
         return f"{format(value, spec) if value is not None else '-':>{width}}"
@@ -173,7 +179,8 @@ def format_table(results: dict[str, dict]) -> str:
     for name, r in results.items():
         equal = r["outputs_equal_ar_fraction"]
         lines.append(f"{name:<14}{cell(r['tokens_per_s'], 9)}{cell(r['speedup_vs_ar'], 9)}"
-                     f"{cell(r['acceptance_length'], 7)}{cell(r['acceptance_rate'], 8)}{cell(equal, 7, '.0%')}")
+                     f"{cell(r['acceptance_length'], 7)}{cell(r['acceptance_rate'], 8)}{cell(equal, 7, '.0%')}"
+                     f"{cell(r.get('step_ms'), 9)}{cell(r.get('draft_ms_per_step'), 10)}")
     return "\n".join(lines)
 
 

@@ -344,6 +344,7 @@ class Engine:
                 start = time.perf_counter()
                 seq.proposal = seq.proposer.propose_cheap(seq.context, seq.draft_room(max_len))
                 seq.proposal.seconds, seq.proposal.cheap = time.perf_counter() - start, True
+                seq.metrics.draft_time_s += seq.proposal.seconds
                 seq.constrain_draft()
             except Exception as exc:  # noqa: BLE001 - this request's failure alone
                 failed.append((seq, exc))
@@ -361,6 +362,7 @@ class Engine:
                 failed.append((seq, proposal))
                 continue
             try:
+                seq.metrics.draft_time_s += proposal.seconds
                 seq.proposal = forced_then(seq.pending[0], view.forced, proposal) \
                     if isinstance(view, AfterForced) else proposal
                 seq.constrain_draft()  # before the forward: forbidden branches cost no target compute

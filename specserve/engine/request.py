@@ -16,6 +16,7 @@ class RequestMetrics:
     drafts_per_position: list[int] = field(default_factory=list)  # drafted count at draft position i
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    draft_time_s: float = 0.0  # of total_time_s, the time the method spent drafting
 
     @property
     def acceptance_rate(self) -> float:

@@ -9,6 +9,8 @@ target serves with, so a head trains on exactly the features it drafts from.
 Layout of a directory: `manifest.json` (target, response length, temperature) and `tokens_NNNNN.json`, one per
 shard of `shard_size` prompts: the prompts' digest and, per prompt, its token count and prompt + response ids.
 A run resumes at the first missing shard; a shard whose prompts differ from the run's is an error, never reused.
+`prompts.jsonl` keeps the run's whole prompt list, so a run resumed elsewhere (where the standard library that
+the code prompts come from may differ) continues the same list.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.eagle import default_aux_layer_ids
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.data import atomic_save, prompts_digest
+from specserve.train.prompt_files import read_prompt_file, write_prompts
 
 MANIFEST = "manifest.json"
+PROMPTS = "prompts.jsonl"
 
 
 @dataclass
@@ -118,6 +122,8 @@ def distill_tokens(target: LoadedModel, name: str, prompts: list[str], directory
     directory = Path(directory)
     settings = DistillSettings(target=name, max_tokens=max_tokens, shard_size=shard_size)
     check_manifest(directory, settings)
+    if not (directory / PROMPTS).exists():
+        write_prompts(directory / PROMPTS, prompts)
     engine = Engine(target, FeatureRecorder(target.model.spec.num_layers), 1, max_model_len=target.max_model_len)
     feature_dir = Path(feature_dir) if feature_dir else directory
     feature_dir.mkdir(parents=True, exist_ok=True)
@@ -144,6 +150,12 @@ def distill_tokens(target: LoadedModel, name: str, prompts: list[str], directory
     bar.close()
     return {"shards": len(shards), "new_response_tokens": new_tokens,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def saved_prompts(directory) -> list[str] | None:
+    """The prompt list of an earlier run in `directory`, if any (a resumed run continues it)."""
+    path = Path(directory) / PROMPTS
+    return read_prompt_file(path) if path.exists() else None
 
 
 def load_token_data(directory) -> list[dict]:

@@ -159,8 +159,8 @@ def test_a_head_that_does_not_pay_stops_drafting_and_stays_exact(loaded, tmp_pat
     grow = EagleProposer._grow
     monkeypatch.setattr(EagleProposer, "_grow", lambda self, *a: head_steps.append(1) or grow(self, *a))
     steps = []
-    for prompt in PROMPTS * 3:
-        params = SamplingParams(max_tokens=60)
+    for prompt in PROMPTS * 2:
+        params = SamplingParams(max_tokens=48)
         head_steps.clear()
         got = engine.generate(prompt, params)
         assert got.token_ids == Engine(target).generate(prompt, params).token_ids

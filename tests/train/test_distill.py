@@ -11,7 +11,8 @@ import torch
 
 from specserve.engine.engine import Engine
 from specserve.speculative.sampling import SamplingParams
-from specserve.train.distill import distill_tokens, feature_file, load_distilled, load_token_data, recompute_features
+from specserve.train.distill import (distill_tokens, feature_file, load_distilled, load_token_data,
+                                     recompute_features, saved_prompts)
 from specserve.train.heads import TrainSettings, sample_windows
 from tests.conftest import STORY_PROMPTS
 
@@ -34,6 +35,7 @@ def test_responses_are_greedy_decoding_and_resume_skips_finished_shards(distille
     for prompt, seq in zip(PROMPTS, sequences):
         plain = Engine(target).generate(prompt, SamplingParams(max_tokens=12))
         assert seq["ids"][seq["prompt_tokens"]:] == plain.token_ids
+    assert saved_prompts(root / "tokens") == PROMPTS  # a resumed run elsewhere continues this list
     again = distill_tokens(target, "stories", PROMPTS, root / "tokens", root / "features", max_tokens=12,
                            batch_size=4, shard_size=4)
     assert again["new_response_tokens"] == 0
