@@ -16,7 +16,9 @@ from the method's pool (every request so far, forgetting slowly), so a new reque
 
 A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
 cheap steps it drafts two steps in full; a probe that loses doubles the backoff (up to MAX_BACKOFF), one that wins
-reopens the gate. A head that never pays therefore costs two drafted steps in MAX_BACKOFF at most. Drafting
+reopens the gate. A head that never pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two
+full steps cost more than PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count
+of skipped steps carries over from request to request through the pool). Drafting
 seconds are learnt only from a step that follows a drafted step (hence probes of two): the first one after skipped
 steps also catches the head up on the tokens it skipped (a one-off, like a prefill), which a steady step does not
 pay. Until one steady step is measured the gate stays open.
@@ -26,10 +28,12 @@ Both kinds of step verify with the same verifier, so the gate changes speed only
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most
+MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
 PROBE_STEPS = 2
+PROBE_SHARE = 0.02  # of a gated request's time, what its probes may cost at most: a dear probe waits longer
 DECAY = 0.8  # per observed step, the share of a request's estimate kept
 POOL_DECAY = 0.97
 
@@ -63,6 +67,7 @@ class GatePool:
     full: Arm = field(default_factory=Arm)
     cheap: Arm = field(default_factory=Arm)
     backoff: int = 1
+    skipped: int = 0  # cheap steps since the last probe, over requests (a long backoff spans several)
 
 
 class DraftGate:
@@ -70,7 +75,7 @@ class DraftGate:
         self.pool = pool
         self.full, self.cheap = pool.full.copy(), pool.cheap.copy()
         self.backoff = pool.backoff
-        self.skipped = 0
+        self.skipped = pool.skipped
         self.drafted_last = False  # whether the previous step drafted in full (its drafting cost is steady)
         self.probe_steps = 0  # full steps left in the current probe
 
@@ -91,6 +96,7 @@ class DraftGate:
         if self.pays(verify_seconds):
             return True
         self.skipped += 1
+        self.pool.skipped = self.skipped
         if self.skipped > self.backoff:
             self.probe_steps = PROBE_STEPS  # the first catches up on the skipped tokens, the next is steady
             return True
@@ -107,7 +113,7 @@ class DraftGate:
         self.drafted_last = drafted_in_full
         if not drafted_in_full:
             return
-        self.skipped = 0
+        self.skipped = self.pool.skipped = 0
         probing = self.probe_steps > 0
         self.probe_steps = max(self.probe_steps - 1, 0)
         if self.probe_steps:
@@ -115,5 +121,13 @@ class DraftGate:
         if self.pays(verify_seconds):
             self.backoff = 1
         elif probing:
-            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+            self.backoff = min(2 * self.backoff, self.longest_backoff(verify_seconds))
         self.pool.backoff = self.backoff
+
+    def longest_backoff(self, verify_seconds) -> int:
+        """MAX_BACKOFF, or longer where a probe's extra time would be more than PROBE_SHARE of the cheap steps
+        between probes (a static EAGLE-1 tree through the target's lm_head costs several plain steps)."""
+        cheap = (self.cheap.draft_seconds or 0.0) + verify_seconds(self.cheap.nodes)
+        full = (self.full.draft_seconds or 0.0) + verify_seconds(self.full.nodes)
+        extra = PROBE_STEPS * max(full - cheap, 0.0)
+        return max(MAX_BACKOFF, math.ceil(extra / (PROBE_SHARE * cheap)))

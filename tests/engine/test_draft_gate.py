@@ -4,7 +4,7 @@ losslessness with the gate on is in tests/speculative (greedy output equals plai
 
 from __future__ import annotations
 
-from specserve.engine.draft_gate import MAX_BACKOFF, PROBE_STEPS, DraftGate, GatePool
+from specserve.engine.draft_gate import MAX_BACKOFF, PROBE_SHARE, PROBE_STEPS, DraftGate, GatePool
 
 
 def verify(n: float) -> float:
@@ -32,7 +32,7 @@ def test_a_draft_that_pays_keeps_drafting():
 
 def test_a_draft_that_never_pays_is_probed_ever_more_rarely():
     gate = DraftGate(GatePool())
-    drafted = run(gate, 400, accepted=0)
+    drafted = run(gate, 400, accepted=0, nodes=1, draft_seconds=0.0005)  # a cheap probe: MAX_BACKOFF bounds it
     assert drafted[0]  # optimistic before any evidence
     starts = [i for i, d in enumerate(drafted) if d and not drafted[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
@@ -64,3 +64,15 @@ def test_drafting_seconds_are_learnt_from_steady_steps_only():
     gate.decide(verify)
     gate.observe(True, 2, 4, 0.004, verify)
     assert gate.full.draft_seconds == 0.004
+
+
+def test_a_dear_probe_waits_until_its_cost_is_a_small_share():
+    pool = GatePool()
+    dear = 0.1  # drafting takes ten plain steps (a static tree scored by a large lm_head)
+    drafted = []
+    for _ in range(30):  # requests of 128 steps sharing the pool
+        drafted += run(DraftGate(pool), 128, accepted=0, nodes=8, draft_seconds=dear)
+    full_steps = sum(drafted[len(drafted) // 2:])
+    extra = full_steps * (dear + verify(8) - verify(0))
+    cheap = (len(drafted) // 2 - full_steps) * verify(0)
+    assert pool.backoff > MAX_BACKOFF and extra < 2.5 * PROBE_SHARE * cheap
