@@ -283,13 +283,20 @@ class EagleProposer(Proposer):
         return logp
 
     def _add_children(self, nodes: Nodes, parent: int, logp: torch.Tensor, ranks: list[int]) -> list[int]:
-        ranks = [r for r in ranks if r < logp.numel()]  # a draft vocabulary smaller than top_k
-        if not ranks:
+        return self._add_level(nodes, [parent], logp[None], [ranks])
+
+    def _add_level(self, nodes: Nodes, parents: list[int], logp: torch.Tensor, ranks: list[list[int]]) -> list[int]:
+        """The children of each parent (row i of logp [P, V'] scores parent i's): its ranks' top tokens. One top-k
+        and one copy to Python for the whole level (per parent they cost more than the head's forward)."""
+        ranks = [[r for r in rs if r < logp.shape[-1]] for rs in ranks]  # a draft vocabulary smaller than top_k
+        k = max((max(rs) + 1 for rs in ranks if rs), default=0)
+        if not k:
             return []
-        top = torch.topk(logp, max(ranks) + 1)
+        top = torch.topk(logp, k, dim=-1)
         ids = self.m.to_target_ids(top.indices).tolist()
         values = top.values.tolist()
-        return [nodes.add(parent, ids[r], values[r], r) for r in ranks]
+        return [nodes.add(parent, ids[i][r], values[i][r], r)
+                for i, (parent, rs) in enumerate(zip(parents, ranks)) for r in rs]
 
     def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
         # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
@@ -312,8 +319,7 @@ class EagleProposer(Proposer):
             if not self.budget.worth_another_level(nodes, expand):
                 break
             logp = self._run_level(nodes, expand)
-            level = [child for i, node in enumerate(expand)
-                     for child in self._add_children(nodes, node, logp[i], list(range(m.top_k)))]
+            level = self._add_level(nodes, expand, logp, [list(range(m.top_k))] * len(expand))
         return nodes
 
     def _grow_static(self, nodes: Nodes, root_logp: torch.Tensor, max_len: int) -> Nodes:

@@ -26,6 +26,7 @@ class TreeBudget:
         self.pending_prediction: float | None = None  # the path probabilities of the tree under verification
         self.level_seconds: float | None = None  # drafting one level, smoothed
         self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
+        self._verify_table: torch.Tensor | None = None  # verify_seconds(n) for n = 1, 2, ... (read every level)
 
     @property
     def calibration(self) -> float:
@@ -54,9 +55,16 @@ class TreeBudget:
         probs = torch.tensor([nodes.scores[n] for n in ranked[:limit]]).exp()
         expected = 1.0 + self.calibration * torch.cat([torch.zeros(1), probs.cumsum(0)])
         drafting = (self.level_seconds or 0.0) * max(len(nodes.slots), 1) / max(self.top_k, 1)
-        seconds = torch.tensor([self.verify_seconds(n + 1) for n in range(limit + 1)]) + drafting
+        seconds = self.verify_table(limit + 1) + drafting
         best = int((expected / seconds).argmax())
         return ranked[:best], float(expected[best] / seconds[best])
+
+    def verify_table(self, count: int) -> torch.Tensor:
+        """[verify_seconds(1), ..., verify_seconds(count)], computed once per budget and extended as needed."""
+        if self._verify_table is None or len(self._verify_table) < count:
+            size = max(count, 2 * len(self._verify_table) if self._verify_table is not None else 65)
+            self._verify_table = torch.tensor([self.verify_seconds(n) for n in range(1, size + 1)])
+        return self._verify_table[:count]
 
     def worth_another_level(self, nodes, expand: list[int]) -> bool:
         if self.verify_seconds is None or self.level_seconds is None:
