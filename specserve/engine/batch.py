@@ -179,8 +179,10 @@ class BatchEngine:
         self.costs = (costs or StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
-        # drafting that runs a model is gated per request by what it pays (draft_gate.py); free drafting is not
-        self.gated = self.costs is not None and not engine.method.drafts_for_free
+        # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
+        # its drafting time included, is chosen per step below
+        self.gated = self.costs is not None and engine.method.drafts_trees
+        self.draft_seconds_per_token: float | None = None  # a model-drafted chain's, smoothed
         self.gates: dict[Sequence, DraftGate] = {}
         self.gate_pool = GatePool()
 
@@ -286,6 +288,10 @@ class BatchEngine:
                 drafted = seq.metrics.total_draft_tokens - drafted
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
                 self.acceptance[seq].update(drafted, accepted, proposal.evidence)
+                if drafted and not self.engine.method.drafts_for_free:
+                    per_token = proposal.seconds / drafted
+                    self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
+                        0.8 * self.draft_seconds_per_token + 0.2 * per_token
                 if self.gated and seq in self.gates:
                     self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify)
         self.stats.steps += 1
@@ -390,7 +396,8 @@ class BatchEngine:
         return lambda n: base / rows + self.costs(rows + n, rows + n) - base
 
     def choose_draft_len(self, seqs: list[Sequence]) -> int:
-        """The draft length (shared by the batch) with the most expected tokens per second of target time. A request
+        """The draft length (shared by the batch) with the most expected tokens per second (target time, plus a
+        draft model's time per drafted token). A request
         with its own cap (`num_speculative_tokens`) drafts at most that many, and where drafting is free, at most
         the draft it has now (its latest shadow draft): it counts so in the expected tokens. The forward pads every
         row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts; only the
@@ -404,10 +411,13 @@ class BatchEngine:
         estimates = [self.acceptance.get(seq, self.pooled_acceptance)[evidence]
                      for seq, (_, evidence) in zip(seqs, available)]
 
+        drafting = self.draft_seconds_per_token or 0.0  # a draft model's time per drafted token (n-gram: none)
+
         def throughput(k: int) -> float:
             drafted = [min(k, cap) for cap in caps]
             tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
-            return tokens / self.costs(len(seqs) * (max(drafted) + 1), sum(d + 1 for d in drafted))
+            return tokens / (self.costs(len(seqs) * (max(drafted) + 1), sum(d + 1 for d in drafted))
+                             + drafting * sum(drafted))
 
         return max(range(top + 1), key=throughput)
 

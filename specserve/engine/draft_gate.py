@@ -1,8 +1,9 @@
 """Whether a request's drafting pays this step: the guard that keeps a speculative method from running slower than
 plain decoding.
 
-A method whose drafting runs a model (an EAGLE or Medusa head, a draft model) pays that model's time every step it
-drafts, whatever the target then accepts. Per request the gate compares two ways of taking a step, from what that
+A method whose drafting runs a model pays that model's time every step it drafts, whatever the target then
+accepts. For a chain (a draft model) the batch's draft-length choice prices that time per drafted token; a tree
+method (an EAGLE or Medusa head) sizes its own trees, so this gate decides whether it drafts at all. Per request the gate compares two ways of taking a step, from what that
 request actually got:
 
     full  : the method's draft.  tokens E_f per step for  d_f + v(n_f) seconds

@@ -86,6 +86,7 @@ class SpecMethod(ABC):
     hidden_layers: tuple[int, ...] = (-1,)  # the target layers whose outputs form a feature (-1: final normed)
     budgets_itself = False  # whether proposers size their drafts from measured costs (the batch then does not)
     drafts_for_free = False  # drafting runs no model: the batch may draft to learn acceptance without verifying
+    drafts_trees = False  # drafts trees its own way (EAGLE, Medusa): the batch's draft gate decides whether it pays
     lossless = True  # False: sampled outputs do not follow the target's distribution exactly
 
     def draft_slots(self, max_draft_len: int) -> int:

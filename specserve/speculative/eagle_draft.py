@@ -48,6 +48,7 @@ from specserve.speculative.tree_budget import TreeBudget
 
 class EagleMethod(SpecMethod):
     needs_hidden_states = True
+    drafts_trees = True
 
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,

@@ -46,6 +46,7 @@ class MedusaProposer(Proposer):
 class MedusaMethod(SpecMethod):
     name = "medusa"
     needs_hidden_states = True
+    drafts_trees = True
 
     def __init__(self, heads: MedusaHeads, choices=DEFAULT_CHOICES, typical: TypicalAcceptance | None = None,
                  verify_seconds=None):

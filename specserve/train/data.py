@@ -94,6 +94,12 @@ def build_dataset(target: LoadedModel, prompts: list[str], directory, max_tokens
 def generate(engine: Engine, prompts: list[str], max_tokens: int, temperature: float, seed: int,
              batch_size: int) -> list[list[int]]:
     """prompt + response token ids for each prompt, decoded in continuous batches."""
+    return [ids for ids, _ in decode_batches(engine, prompts, max_tokens, batch_size, temperature, seed)]
+
+
+def decode_batches(engine: Engine, prompts: list[str], max_tokens: int, batch_size: int, temperature: float = 0.0,
+                   seed: int = 0) -> list[tuple[list[int], object]]:
+    """(prompt + response token ids, the finished sequence) for each prompt, decoded in continuous batches."""
     batch = BatchEngine(engine, max_batch_size=batch_size, adaptive_draft=False)
     owners, results = {}, {}
     for i, prompt in enumerate(prompts):
@@ -105,7 +111,7 @@ def generate(engine: Engine, prompts: list[str], max_tokens: int, temperature: f
                 raise event
             if event.result is not None:
                 index, prompt_ids = owners[id(seq)]
-                results[index] = prompt_ids + event.result.token_ids
+                results[index] = (prompt_ids + event.result.token_ids, seq)
     return [results[i] for i in range(len(prompts))]
 
 

@@ -26,11 +26,9 @@ from tqdm import tqdm
 from specserve.engine.engine import Engine
 from specserve.files import write_atomically
 from specserve.models.loader import LoadedModel
-from specserve.engine.batch import BatchEngine
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.eagle import default_aux_layer_ids
-from specserve.speculative.sampling import SamplingParams
-from specserve.train.data import atomic_save, prompts_digest
+from specserve.train.data import atomic_save, decode_batches, prompts_digest
 from specserve.train.prompt_files import read_prompt_file, write_prompts
 
 MANIFEST = "manifest.json"
@@ -82,18 +80,8 @@ class FeatureKeeper(Proposer):
 def generate_recording(engine: Engine, prompts: list[str], max_tokens: int, batch_size: int
                        ) -> list[tuple[list[int], torch.Tensor]]:
     """prompt + response ids and the features of every token but the last (the one never fed), per prompt."""
-    batch = BatchEngine(engine, max_batch_size=batch_size, adaptive_draft=False)
-    owners, results = {}, {}
-    for i, prompt in enumerate(prompts):
-        owners[id(batch.add(prompt, SamplingParams(max_tokens=max_tokens)))] = (i, engine.encode(prompt))
-    while batch.has_work():
-        for seq, event in batch.step():
-            if isinstance(event, Exception):
-                raise event
-            if event.result is not None:
-                index, prompt_ids = owners[id(seq)]
-                results[index] = (prompt_ids + event.result.token_ids, torch.cat(seq.proposer.features))
-    return [results[i] for i in range(len(prompts))]
+    return [(ids, torch.cat(seq.proposer.features))
+            for ids, seq in decode_batches(engine, prompts, max_tokens, batch_size)]
 
 
 def check_manifest(directory: Path, settings: DistillSettings) -> None:

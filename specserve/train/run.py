@@ -70,6 +70,12 @@ def run_training(target: LoadedModel, kind: str, prompts: list[str], out_dir, da
     report = {"kind": kind, "target": str(target.path), "train_prompts": len(prompts),
               "train_tokens": sum(r["tokens"].numel() for r in records), "data_seconds": round(data_seconds, 1),
               "train_seconds": round(train_seconds, 1), "settings": settings.__dict__}
+    return finish_report(report, target, kind, out_dir, eval_prompts, max_tokens, echo)
+
+
+def finish_report(report: dict, target: LoadedModel, kind: str, out_dir: Path, eval_prompts: list[str],
+                  max_tokens: int, echo) -> dict:
+    """The held-out evaluation (when there are prompts) added to the report, which is written beside the head."""
     if eval_prompts:
         report["eval"] = evaluate(target, kind, out_dir, eval_prompts, max_tokens)
         e = report["eval"]
@@ -93,10 +99,4 @@ def train_distilled(dense: LoadedModel, served: LoadedModel, kind: str, distille
     report = {"kind": kind, "target": str(served.path), "train_sequences": len(records),
               "train_tokens": sum(r["tokens"].numel() + 1 for r in records),
               "train_seconds": round(time.perf_counter() - start, 1), "settings": settings.__dict__}
-    if eval_prompts:
-        report["eval"] = evaluate(served, kind, out_dir, eval_prompts, max_tokens)
-        e = report["eval"]
-        echo(f"held-out: tau {e['tau']:.2f} on {e['prompts']} prompts; acceptance by position "
-             + " ".join(f"{a:.2f}" for a in e["acceptance_per_position"]))
-    (out_dir / "train_report.json").write_text(json.dumps(report, indent=2))
-    return report
+    return finish_report(report, served, kind, out_dir, eval_prompts, max_tokens, echo)
