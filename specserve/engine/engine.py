@@ -362,7 +362,7 @@ class Engine:
                 failed.append((seq, proposal))
                 continue
             try:
-                seq.metrics.draft_time_s += proposal.seconds
+                seq.metrics.draft_time_s += proposal.seconds if proposal is not None else 0.0
                 seq.proposal = forced_then(seq.pending[0], view.forced, proposal) \
                     if isinstance(view, AfterForced) else proposal
                 seq.constrain_draft()  # before the forward: forbidden branches cost no target compute

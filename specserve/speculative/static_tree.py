@@ -8,8 +8,8 @@ verification accepted it:
 
     p(c) = (accepted_c + W * p0(c)) / (verified_c + W)
 
-with p0 the pool's rate (every request's so far, slowly forgotten; before any evidence a prior that halves with
-each rank step and each depth). Accepting a node needs its parent accepted, so p is made monotone down the tree.
+with p0 the pool's rate (every request's so far, slowly forgotten; before any evidence a prior of 0.6 per depth,
+halved per rank step). Accepting a node needs its parent accepted, so p is made monotone down the tree.
 A tree of the n best paths emits 1 + (sum of their p) tokens per step on average, for the target's measured cost
 of verifying n + 1 tokens, `verify_seconds(n + 1)`; each step verifies the n that maximize tokens per second
 (none, when no path pays). Which path was accepted is read back from the tokens the step committed: exactly the
