@@ -288,7 +288,7 @@ class BatchEngine:
                 drafted = seq.metrics.total_draft_tokens - drafted
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
                 self.acceptance[seq].update(drafted, accepted, proposal.evidence)
-                if drafted and not self.engine.method.drafts_for_free:
+                if drafted and not (self.engine.method.drafts_for_free or self.engine.method.drafts_trees):
                     per_token = proposal.seconds / drafted
                     self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
                         0.8 * self.draft_seconds_per_token + 0.2 * per_token

@@ -54,8 +54,10 @@ def atomic_save(obj, path: Path) -> None:
     write_atomically(path, lambda partial: torch.save(obj, partial))
 
 
-def check_manifest(directory: Path, settings: DataSettings) -> None:
-    manifest = directory / MANIFEST
+def check_manifest(directory: Path, settings, name: str = MANIFEST) -> None:
+    """Write the settings (a dataclass) as the directory's manifest `name`, or ValueError naming the settings that
+    differ from those it already holds: a directory is never resumed with other settings."""
+    manifest = directory / name
     if manifest.exists():
         existing = json.loads(manifest.read_text())
         if existing != asdict(settings):

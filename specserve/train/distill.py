@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from specserve.files import write_atomically
 from specserve.models.loader import LoadedModel
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.eagle import default_aux_layer_ids
-from specserve.train.data import atomic_save, decode_batches, prompts_digest
+from specserve.train.data import atomic_save, check_manifest, decode_batches, prompts_digest
 from specserve.train.prompt_files import read_prompt_file, write_prompts
 
 MANIFEST = "manifest.json"
@@ -84,18 +84,6 @@ def generate_recording(engine: Engine, prompts: list[str], max_tokens: int, batc
             for ids, seq in decode_batches(engine, prompts, max_tokens, batch_size)]
 
 
-def check_manifest(directory: Path, settings: DistillSettings) -> None:
-    manifest = directory / MANIFEST
-    if manifest.exists():
-        existing = json.loads(manifest.read_text())
-        if existing != asdict(settings):
-            differing = sorted(k for k in existing if existing.get(k) != asdict(settings).get(k))
-            raise ValueError(f"{directory} holds token data made with other settings ({', '.join(differing)})")
-    else:
-        directory.mkdir(parents=True, exist_ok=True)
-        manifest.write_text(json.dumps(asdict(settings), indent=2) + "\n")
-
-
 def read_shard(path: Path, prompts: list[str] | None = None) -> list[dict]:
     shard = json.loads(path.read_text())
     if prompts is not None and shard["prompts_sha256"] != prompts_digest(prompts):
@@ -109,7 +97,7 @@ def distill_tokens(target: LoadedModel, name: str, prompts: list[str], directory
     of 16 rows is compute-bound, where drafts cost more than they save). Returns token counts and seconds."""
     directory = Path(directory)
     settings = DistillSettings(target=name, max_tokens=max_tokens, shard_size=shard_size)
-    check_manifest(directory, settings)
+    check_manifest(directory, settings, MANIFEST)
     if not (directory / PROMPTS).exists():
         write_prompts(directory / PROMPTS, prompts)
     engine = Engine(target, FeatureRecorder(target.model.spec.num_layers), 1, max_model_len=target.max_model_len)
