@@ -148,6 +148,7 @@ def bench(
     methods: str = typer.Option(f"{registry.PLAIN},{registry.DEFAULT_METHOD},hf,hf-pld", help=BENCH_METHODS_HELP),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
+    repeat: int = typer.Option(1, min=1, help="Ask each prompt this many times in a row (a retry workload)."),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
     draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     head: list[str] = typer.Option([], help="METHOD=DIR: the head (or draft model) of one method, e.g. "
@@ -181,7 +182,7 @@ def bench(
             if not sep or not name.strip() or not directory.strip():
                 fail(f"--head takes METHOD=DIR, got {item!r}")
             heads[registry.label(name)] = directory.strip()
-        prompts = load_prompts(dataset, num_prompts)
+        prompts = [prompt for prompt in load_prompts(dataset, num_prompts) for _ in range(repeat)]
         target = config.model.load()
         results = run_bench(config, target, prompts, names, max_tokens, heads)
     except USER_ERRORS as exc:
@@ -212,7 +213,7 @@ def bench(
     if json_file:
         report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
                   "quantization": target.model.quantization,
-                  "dataset": str(dataset), "num_prompts": len(prompts), "max_tokens": max_tokens,
+                  "dataset": str(dataset), "num_prompts": len(prompts), "repeat": repeat, "max_tokens": max_tokens,
                   "max_draft_len": config.speculative.draft_len, "methods": results}
         if costs:
             report["forward_ms_by_tokens"] = costs
@@ -257,6 +258,9 @@ def serve(
     chat_template: Optional[Path] = typer.Option(
         None, "--chat-template", help="Jinja chat template for /v1/chat/completions, instead of each model's own "
                                       "(checkpoint or GGUF; the embedded default has a question-and-answer format)."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, "--tool-call-parser", help="The models' tool-call format for tool_choice 'auto': hermes, llama3_json "
+                                         "or mistral (default: the one each chat template teaches)."),
     suffix_cache_scope: Optional[str] = typer.Option(
         None, "--suffix-cache-scope", help="suffix method: model (default: requests draft from each other's "
                                            "responses) or request (a request's text is never drafted for another)."),
@@ -270,6 +274,7 @@ def serve(
     worker_rank_or_none()
 
     from specserve.server.app import SpecServer, build_repository
+    from specserve.server.openai.tool_calls import MODEL_FORMATS
     from specserve.server.request import RequestLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -284,6 +289,8 @@ def serve(
     limits = RequestLimits(**{name: value for name, value in given.items() if value is not None})
     if limits.max_body_bytes < 1 or limits.max_messages < 1:
         fail("--max-body-bytes and --max-messages must be >= 1")
+    if tool_call_parser not in (None, *MODEL_FORMATS):
+        fail(f"--tool-call-parser must be one of {', '.join(MODEL_FORMATS)}, got {tool_call_parser!r}")
     if suffix_cache_scope not in (None, *SUFFIX_SCOPES):
         fail(f"--suffix-cache-scope must be {' or '.join(SUFFIX_SCOPES)}, got {suffix_cache_scope!r}")
     flags = {"suffix_cache_scope": suffix_cache_scope} if suffix_cache_scope else {}
@@ -303,7 +310,8 @@ def serve(
             fail(f"no model to serve in {model_repository}: expected <name>/1/model.yaml or <name>/1/model.json")
         server = SpecServer(repository, host=host, http_port=http_port, metrics_port=metrics_port,
                             log_level=log_level, model_control_mode=model_control_mode, api_key=api_key or None,
-                            limits=limits, chat_template=template, grpc_port=grpc_port if grpc_on else None)
+                            limits=limits, chat_template=template, tool_call_parser=tool_call_parser,
+                            grpc_port=grpc_port if grpc_on else None)
     except USER_ERRORS as exc:
         fail(str(exc))
     except OSError as exc:

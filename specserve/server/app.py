@@ -167,12 +167,14 @@ class SpecServer:
                  metrics_port: int | None = 8002, metrics: ServerMetrics | None = None, log_level: str = "warning",
                  model_control_mode: str = "none", api_key: str | None = None,
                  limits: RequestLimits | None = None, chat_template: str | None = None,
+                 tool_call_parser: str | None = None,
                  grpc_port: int | None = None):
         self.metrics = metrics or ServerMetrics()
         self.repository = repository
         # not ready until warm (see `serve`)
         self.ctx = ServerContext(repository, self.metrics, ready=False, limits=limits or RequestLimits(),
-                                 model_control_mode=model_control_mode, chat_template=chat_template)
+                                 model_control_mode=model_control_mode, chat_template=chat_template,
+                                 tool_call_parser=tool_call_parser)
         for model in repository.ready_models():
             self.metrics.register_model(model.name, model.version, model.deployment.load_seconds)
         repository.on_load = lambda m: self.metrics.register_model(m.name, m.version, m.deployment.load_seconds)

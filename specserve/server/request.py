@@ -70,6 +70,7 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_control_mode: str = "none"  # Triton's: load/unload requests are honoured only in "explicit"
     chat_template: str | None = None  # --chat-template: overrides every served model's own
+    tool_call_parser: str | None = None  # --tool-call-parser: the served models' tool-call format, for "auto"
     inflight: dict[str, set[RequestHandle]] = field(default_factory=lambda: defaultdict(set))
 
     def is_ready(self) -> bool:

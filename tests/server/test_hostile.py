@@ -330,7 +330,8 @@ def openai_fields(v: Values) -> dict:
         "guided_grammar": pool('start: "a" | "b"', "start: foo", "root ::= x", "", None),
         "structured_outputs": pool({"regex": "a"}, {"choice": []}, {"json": "{"}, {"x": 1}, {"regex": "a", "json": {}},
                                    [], "x", None),
-        "tools": pool([], [{"type": "function"}], "x", None),
+        "tools": pool([], [{"type": "function"}], "x", None, [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]),
         "tool_choice": pool("none", "auto", "required", {"type": "function"}, 5, None),
         "chat_template_kwargs": pool({}, {"x": 1}, [], "x", None),
         "unknown_field": v.junk, "": v.junk, "\udfff": v.junk,

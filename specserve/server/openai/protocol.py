@@ -14,6 +14,7 @@ from specserve.engine.engine import RequestError
 from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
 from specserve.server.guides import openai_guide
 from specserve.server.http import json_response, sse
+from specserve.server.openai.messages import chat_prompt
 from specserve.server.repository import ModelNotReadyError, RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
@@ -232,12 +233,12 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
                            guide=fields.guide)
 
 
-def read_prompt(body: dict, engine, chat: bool, max_messages: int,
-                chat_template: str | None = None) -> tuple[str | list[int], list[int], str]:
+def read_prompt(body: dict, engine, chat: bool, max_messages: int, chat_template: str | None = None,
+                tools: list[dict] | None = None) -> tuple[str | list[int], list[int], str]:
     """(prompt for the runner, its token ids, the text to echo before the completion); `chat_template` is the
-    server's override of the model's own."""
+    server's override of the model's own, `tools` the functions the template is shown."""
     if chat:
-        ids = chat_prompt(body, engine, max_messages, chat_template)
+        ids = chat_prompt(body, engine, max_messages, chat_template, tools)
         return ids, ids, ""
     prompt, ids, text = completion_prompt(body, engine)
     return prompt, ids, text if _get(body, "echo", bool, False) else ""
@@ -261,60 +262,12 @@ def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], s
     raise InputError("prompt must be a string or a list of token ids", param="prompt")
 
 
-def _message_text(message, index: int) -> tuple[str, str]:
-    if not isinstance(message, dict):
-        raise InputError(f"messages[{index}] must be an object", param="messages")
-    role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise InputError(f"messages[{index}].role must be a string", param="messages")
-    content = message.get("content")
-    if content is None:
-        return role, ""
-    if isinstance(content, str):
-        return role, content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InputError(f"messages[{index}].content: only text parts are supported", param="messages")
-            parts.append(part["text"])
-        return role, "".join(parts)
-    raise InputError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
-
-
-def chat_prompt(body: dict, engine, max_messages: int, chat_template: str | None = None) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InputError("'messages' must be a non-empty list", param="messages")
-    if len(messages) > max_messages:
-        raise InputError(f"'messages' has {len(messages)} messages; at most {max_messages} are allowed",
-                         param="messages")
-    pairs = [_message_text(m, i) for i, m in enumerate(messages)]
-    tokenizer = engine.tokenizer
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise InputError("this model has no chat template: start the server with --chat-template FILE, or send "
-                         "the prompt to /v1/completions", param="messages")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise InputError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    try:
-        text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in pairs], chat_template=template,
-                                             tokenize=False, add_generation_prompt=True, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - jinja raises for conversations the template refuses
-        raise InputError(f"cannot apply the chat template: {exc}", param="messages") from None
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if not ids:
-        raise InputError("the conversation is empty", param="messages")
-    return ids
-
-
 def check_unsupported(body: dict, chat: bool) -> None:
-    """Refuse tools and suffix (structured outputs: `guides.openai_guide`)."""
-    if body.get("tools"):
-        raise InputError("tool calling is not supported by specserve", param="tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise InputError("tool calling is not supported by specserve", param="tool_choice")
+    """Refuse completions' tools and suffix (chat's tools: `tools.parse_tools`; structured outputs:
+    `guides.openai_guide`)."""
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none", "auto")):
+        raise InputError("tools are taken by /v1/chat/completions, not /v1/completions",
+                         param="tools" if body.get("tools") else "tool_choice")
     if not chat and body.get("suffix"):
         raise InputError("'suffix' is not supported", param="suffix")
 
@@ -349,11 +302,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(chat: bool, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-    """One choice of a response that does not stream (`text` includes the echoed prompt)."""
+def choice(chat: bool, index: int, text: str, finish_reason: str, logprobs: dict | None,
+           message: dict | None = None) -> dict:
+    """One choice of a response that does not stream (`text` includes the echoed prompt; chat: `message`, when
+    given, instead of the text as the assistant's content)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        return {"index": index, "message": message or {"role": "assistant", "content": text},
+                "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -366,11 +321,12 @@ def chunk_object(chat: bool) -> str:
 
 
 def chunk(meta: dict, chat: bool, text: str | None, finish_reason: str | None, role: bool = False,
-          extra: dict | None = None, index: int = 0, logprobs: dict | None = None) -> bytes:
-    """One SSE chunk of choice `index`: a text delta (chat: the assistant role first, then content), or the
-    finish reason."""
+          extra: dict | None = None, index: int = 0, logprobs: dict | None = None, delta: dict | None = None) -> bytes:
+    """One SSE chunk of choice `index`: a text delta (chat: the assistant role first, then content, or the given
+    `delta`), or the finish reason."""
     if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        if delta is None:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
         choice_ = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice_ = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -18,6 +18,8 @@ from specserve.server.openai.logprobs import TokenText, chat_logprobs, completio
 from specserve.server.openai.protocol import (CommonFields, build_params, check_unsupported, choice, chunk,
                                               chunk_object, completion_body, error_json, error_response,
                                               exception_body, find_model, parse_common, read_prompt, usage)
+from specserve.server.errors import InputError
+from specserve.server.openai.tools import ToolRequest, parse_tools
 from specserve.server.repository import ModelNotReadyError, RepositoryError
 from specserve.server.request import ServerContext, first_event
 from specserve.server.runner import RequestHandle, off_loop
@@ -40,15 +42,16 @@ async def _complete(request: Request, chat: bool) -> Response:
         model, name = find_model(ctx, body)
         check_unsupported(body, chat)
         fields = parse_common(body, chat)
+        tools = await off_loop(request_tools, ctx, model, body, fields) if chat else None
         prompt, ids, echo = await off_loop(read_prompt, body, model.engine, chat, ctx.limits.max_messages,
-                                          ctx.chat_template)
+                                          ctx.chat_template, tools and tools.template_tools())
         format_stop = model.engine.target.chat_stop if chat and not ctx.chat_template else ()
         params = build_params(fields, len(ids), model.engine.max_model_len, chat, format_stop)
         for index in range(fields.n):
             handles.append(await ctx.submit(model, prompt, choice_params(params, index)))
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": name}
-        reply = Reply(meta, fields, chat, echo, TokenText(model.engine.tokenizer), handles[0].prompt_ids)
+        reply = Reply(meta, fields, chat, echo, TokenText(model.engine.tokenizer), handles[0].prompt_ids, tools)
         if fields.stream:
             firsts = [await first_event(request, handle) for handle in handles]
             return EventStream(reply.chunks(handles, firsts))
@@ -58,9 +61,24 @@ async def _complete(request: Request, chat: bool) -> Response:
             await handle.aclose()
         ctx.refused(model, exc)
         return error_response(exc)
-    choices = [choice(chat, index, echo + out.text, out.result.finish_reason, reply.logprobs(out.result))
-               for index, out in enumerate(outs)]
+    choices = []
+    for index, out in enumerate(outs):
+        finish_reason, message = reply.ending(out.text, out.result.finish_reason)
+        choices.append(choice(chat, index, echo + out.text, finish_reason, reply.logprobs(out.result), message))
     return json_response(completion_body(meta, chat, choices, reply.usage(sum(len(o.token_ids) for o in outs))))
+
+
+def request_tools(ctx: ServerContext, model, body: dict, fields: CommonFields) -> ToolRequest | None:
+    """The chat request's tools; a forced tool choice becomes the request's guide (at most one guide)."""
+    template = ctx.chat_template or getattr(model.engine.tokenizer, "chat_template", None)
+    tools = parse_tools(body, template, ctx.tool_call_parser)
+    guide = tools and tools.guide()
+    if guide is not None:
+        if fields.guide is not None:
+            raise InputError("a forced tool_choice is a structured output of its own: give it without "
+                             "response_format or another guide", param="tool_choice")
+        fields.guide = guide
+    return tools
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -81,6 +99,15 @@ class Reply:
     echo: str
     text_of: TokenText
     prompt_ids: list[int]
+    tools: ToolRequest | None = None
+
+    def ending(self, text: str, finish_reason: str) -> tuple[str, dict | None]:
+        """(finish reason, the assistant message) of a whole choice: its tool calls, when it has tools."""
+        output = self.tools and self.tools.output()
+        if output is None:
+            return finish_reason, None
+        message, finish_reason = output.message(text, finish_reason)
+        return finish_reason, message
 
     def usage(self, completion_tokens: int) -> dict:
         return usage(len(self.prompt_ids), completion_tokens)
@@ -110,6 +137,7 @@ class Reply:
                 return {}
             return {"usage": self.usage(tokens) if fields.continuous_usage else None}
 
+        outputs = [self.tools and self.tools.output() for _ in handles]
         events: asyncio.Queue = asyncio.Queue()
         pumps = [asyncio.ensure_future(_pump(index, handle, first, events))
                  for index, (handle, first) in enumerate(zip(handles, firsts))]
@@ -135,12 +163,24 @@ class Reply:
                 if event.logprobs is not None and event.token_ids:
                     logprobs = self.token_logprobs(event.token_ids, event.logprobs, offsets[index])
                     offsets[index] += sum(len(t) for t in logprobs.get("tokens", []))
-                if event.text or logprobs:
-                    yield chunk(self.meta, chat, event.text, None, extra=usage_field(), index=index,
-                                logprobs=logprobs)
+                output = outputs[index]
+                if output is None:
+                    if event.text or logprobs:
+                        yield chunk(self.meta, chat, event.text, None, extra=usage_field(), index=index,
+                                    logprobs=logprobs)
+                else:
+                    for delta in output.feed(event.text) or ([{}] if logprobs else []):
+                        yield chunk(self.meta, chat, None, None, extra=usage_field(), index=index,
+                                    logprobs=logprobs, delta=delta)
+                        logprobs = None
                 if event.result is not None:
-                    yield chunk(self.meta, chat, None if chat else "", event.result.finish_reason,
-                                extra=usage_field(), index=index)
+                    finish_reason = event.result.finish_reason
+                    if output is not None:
+                        deltas, finish_reason = output.close(finish_reason)
+                        for delta in deltas:
+                            yield chunk(self.meta, chat, None, None, extra=usage_field(), index=index, delta=delta)
+                    yield chunk(self.meta, chat, None if chat else "", finish_reason, extra=usage_field(),
+                                index=index)
             if fields.include_usage:
                 yield sse({**self.meta, "object": chunk_object(chat), "choices": [], "usage": self.usage(tokens)})
         except Exception as exc:  # noqa: BLE001 - in-band error, then [DONE]

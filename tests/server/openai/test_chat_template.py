@@ -9,6 +9,7 @@ from gguf import GGUFWriter
 from specserve.models.chat_template import (EMBEDDED_DEFAULT_STOP, ChatFormat, ChatTemplateError, end_of_turn_ids,
                                             gguf_chat_template, kept_gguf_chat_template, read_template_file,
                                             resolve_chat_format)
+from specserve.server.openai.tool_calls import template_format
 from specserve.server.repository import ModelRepository
 from tests.conftest import build_tokenizer, make_checkpoint
 
@@ -95,8 +96,22 @@ def test_the_embedded_defaults_format_is_a_question_and_answer_transcript():
     text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert text == "<s>Be brief.\n\nQuestion: def add(a, b):\nAnswer: return a + b\nQuestion: ok\nAnswer:"
     assert embedded_default_format().stop == EMBEDDED_DEFAULT_STOP == ("\nQuestion:",)
-    with pytest.raises(Exception, match="not 'tool'"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(Exception, match="not 'robot'"):
+        tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
+def test_the_embedded_defaults_format_lists_tools_and_writes_calls_as_hermes_does():
+    tokenizer = build_tokenizer(None)
+    tokenizer.chat_template = embedded_default_format().template
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": {}}}
+    conversation = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c", "content": "noon"}]
+    text = tokenizer.apply_chat_template(conversation, tools=[tool], tokenize=False, add_generation_prompt=True)
+    assert text.startswith('<s>Functions you may call, one JSON object each:\n{"name": "now", "parameters": ')
+    assert text.endswith('Question: Time?\nAnswer: <tool_call>{"name": "now", "arguments": {}}</tool_call>\n'
+                         "Result: noon\nAnswer:")
+    assert template_format(tokenizer.chat_template).name == "hermes"
 
 
 def write_gguf(path, template: str | None):
