@@ -59,6 +59,20 @@ def test_small_linear_rows_are_independent_of_the_batch(k, n):
     assert torch.equal(ck.small_linear(other, w)[7], full[7])
 
 
+def test_head_linears_run_many_rows_on_the_kernel_a_row_at_a_time():
+    """A head's Linear over more rows than one kernel call takes (a catch-up after skipped steps): each row is
+    what the kernel gives it alone, never PyTorch's bf16 GEMM."""
+    from specserve.speculative.eagle import Linear
+
+    layer = Linear(96, 80, bias=False).bfloat16()
+    x = bf16(2, 75, 96)  # 150 rows: three calls
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.shape == (2, 75, 80)
+    for b, t in ((0, 0), (0, 63), (0, 64), (1, 74)):
+        assert torch.equal(y[b, t], ck.small_linear(x[b, t], layer.weight.detach())), (b, t)
+
+
 # ----------------------------------------------------------------------------------------- decode_attention
 
 
