@@ -1,4 +1,5 @@
-"""Another build of a kernel source against this checkout's, in one process, builds alternated (docs/benchmarks.md).
+"""Another build of a kernel source against this checkout's, in one process, builds alternated (what such runs
+decided: docs/design-notes.md).
 
     git show <rev>:specserve/csrc/cpu_kernels.cpp > /tmp/old/cpu_kernels.cpp
     python benchmarks/kernel_ab.py attention /tmp/old/cpu_kernels.cpp

@@ -239,7 +239,7 @@ def memory_read_seconds(buffer: torch.Tensor, repeats: int = 2) -> float:
 def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
     """A plain step next to the time to read its weights once at the measured read bandwidth. The two are timed
     in pairs, one right after the other, and the median pair's ratio is reported: this VM's bandwidth drifts by
-    half between minutes (31 and 51 GB/s in two runs of one session), so a step and a probe timed apart gave
+    half between minutes (31 and 51 GB/s in two runs an hour apart), so a step and a probe timed apart gave
     ratios of 1.0x and 1.65x for the same step."""
     from specserve.engine.step_costs import StepCosts
 
