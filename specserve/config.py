@@ -78,7 +78,9 @@ class SpeculativeConfig:
         """max_draft_len as given, else the method's default for its draft-length policy."""
         if self.max_draft_len is not None:
             return self.max_draft_len
-        return DEFAULT_DRAFT_LEN if self.entry is None else self.entry.default_draft_len(self.adaptive_draft_len)
+        if self.entry is None:
+            return DEFAULT_DRAFT_LEN
+        return self.entry.default_draft_len(self.adaptive_draft_len, self.settings)
 
     @property
     def label(self) -> str:

@@ -50,7 +50,8 @@ triton_config:
 
 
 def test_draft_length_defaults_by_method_and_policy(tmp_path):
-    """An unset max_draft_len is 4, except n-gram drafts chosen per step (priced by their matched n): 6."""
+    """An unset max_draft_len is 4, except where each step chooses its draft length: n-gram 6 (priced by its
+    matched n), suffix 16 (8 when every step drafts it), EAGLE trees with a lookup branch 6."""
     def spec_of(text):
         config = load_model_yaml(write(tmp_path / "m.yaml", "model: gemma-3-270m\nspeculative_config:\n" + text))
         return config.speculative
@@ -59,7 +60,12 @@ def test_draft_length_defaults_by_method_and_policy(tmp_path):
     assert ngram.draft_len == 6 and ngram.options.prompt_lookup_max == 5
     assert spec_of("  decoding_type: NGram\n  adaptive_draft_len: false\n").draft_len == 4
     assert spec_of("  decoding_type: NGram\n  max_draft_len: 3\n").draft_len == 3
-    assert spec_of("  decoding_type: Suffix\n").draft_len == 4
+    assert spec_of("  decoding_type: Suffix\n").draft_len == 16
+    assert spec_of("  decoding_type: Suffix\n  adaptive_draft_len: false\n").draft_len == 8
+    eagle3 = "  decoding_type: Eagle3\n  speculative_model: head\n"
+    assert spec_of(eagle3).draft_len == 4
+    assert spec_of(eagle3 + "  prompt_lookup_branch: true\n").draft_len == 6
+    assert spec_of(eagle3 + "  prompt_lookup_branch: true\n  adaptive_draft_len: false\n").draft_len == 4
     assert load_model_yaml(write(tmp_path / "b.yaml", "model: gemma-3-270m\n")).speculative.draft_len == 4
 
 

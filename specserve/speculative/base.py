@@ -167,13 +167,21 @@ class MethodEntry:
     vllm_keys: frozenset[str] = frozenset()  # its speculative_config keys that vLLM's model.json has too
     # the draft length when a vLLM config gives none, from its settings (vLLM's rule; None: it must be given)
     vllm_default_draft_len: Callable[[dict], int] | None = None
+    # max_draft_len when none is given and every step drafts it (adaptive_draft_len: false)
+    fixed_draft_len: int = DEFAULT_DRAFT_LEN
     # max_draft_len when none is given and each step chooses its draft length (which prices a long draft by its
-    # evidence, so a higher cap costs nothing where drafts are unsure); None: DEFAULT_DRAFT_LEN
+    # evidence, so a higher cap costs nothing where drafts are unsure); None: fixed_draft_len
     adaptive_draft_cap: int | None = None
+    # the same when a `combines` setting is on: a merged lookup chain drafts as deep as that method alone would
+    combined_draft_cap: int | None = None
 
-    def default_draft_len(self, adaptive: bool) -> int:
-        """max_draft_len when the config gives none."""
-        return (self.adaptive_draft_cap or DEFAULT_DRAFT_LEN) if adaptive else DEFAULT_DRAFT_LEN
+    def default_draft_len(self, adaptive: bool, settings: dict | None = None) -> int:
+        """max_draft_len when the config gives none (each method's, chosen by its benchmark: docs/benchmarks.md)."""
+        if not adaptive:
+            return self.fixed_draft_len
+        if self.combined_draft_cap and any((settings or {}).get(key) for _, key in self.combines):
+            return self.combined_draft_cap
+        return self.adaptive_draft_cap or self.fixed_draft_len
 
     def parse(self, spec) -> MethodOptions:
         """Typed, checked options from a SpeculativeConfig (its common fields and its settings)."""

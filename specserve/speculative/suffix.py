@@ -372,6 +372,8 @@ def build(options: SuffixOptions, target) -> SuffixMethod:
 VLLM_KEYS = frozenset(key for key in SuffixOptions.KEYS if key.startswith("suffix_decoding_"))
 SUFFIX = MethodEntry(SuffixMethod.name, SuffixOptions, build, aliases=("suffix_decoding",), trtllm="Suffix",
                      vllm=("suffix",), vllm_keys=VLLM_KEYS,
+                     # its drafts are long where responses repeat (retries, agents): they need room to pay
+                     fixed_draft_len=8, adaptive_draft_cap=16,
                      # vLLM drafts up to the tree depth when num_speculative_tokens is not given
                      vllm_default_draft_len=lambda settings: settings.get("suffix_decoding_max_tree_depth",
                                                                           SuffixOptions.suffix_decoding_max_tree_depth))
