@@ -29,32 +29,46 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8", help="comma-separated levels")
     parser.add_argument("--server-pid", type=int, help="report this process's resident memory")
     args = parser.parse_args()
+    levels = [int(level) for level in args.concurrency.split(",")]
+    for level, result in measure(args.port, args.model, args.max_tokens, levels, args.server_pid).items():
+        print(f"concurrency {level}: {result['tokens_per_s']:.1f} tok/s over {result['tokens']} tokens"
+              f" ({result['requests']} requests); {memory_text(result)}")
+
+
+def measure(port: int, model: str, max_tokens: int, levels: list[int], server_pid: int | None = None) -> dict:
+    """{level: tokens_per_s, tokens, requests and, with a pid, the server's rss_mb / peak_rss_mb after it}."""
     questions = [json.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines()]
 
     def ask(prompt: str) -> int:
-        body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
-        reply = httpx.post(f"http://127.0.0.1:{args.port}/v1/completions", json=body, timeout=600)
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
         reply.raise_for_status()
         return reply.json()["usage"]["completion_tokens"]
 
-    ask(questions[0])
-    print(f"after one request: {resident_mb(args.server_pid)}")
-    for concurrency in map(int, args.concurrency.split(",")):
-        prompts = [questions[i % len(questions)] for i in range(max(16, concurrency))]
+    ask(questions[0])  # warm-up
+    results = {}
+    for level in levels:
+        prompts = [questions[i % len(questions)] for i in range(max(16, level))]
         start = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
+        with ThreadPoolExecutor(level) as pool:
             tokens = sum(pool.map(ask, prompts))
-        print(f"concurrency {concurrency}: {tokens / (time.perf_counter() - start):.1f} tok/s over {tokens} tokens"
-              f" ({len(prompts)} requests); {resident_mb(args.server_pid)}")
+        results[level] = {"tokens_per_s": round(tokens / (time.perf_counter() - start), 2), "tokens": tokens,
+                          "requests": len(prompts), **resident_mb(server_pid)}
+    return results
 
 
-def resident_mb(pid: int | None) -> str:
-    """The process's resident and peak resident memory, from /proc (Linux)."""
-    if pid is None:
+def memory_text(result: dict) -> str:
+    if "rss_mb" not in result:
         return "server memory not asked for"
+    return f"server RSS {result['rss_mb']} MB (peak {result['peak_rss_mb']} MB)"
+
+
+def resident_mb(pid: int | None) -> dict:
+    """The process's resident and peak resident memory in MB, from /proc (Linux); {} without a pid."""
+    if pid is None:
+        return {}
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    mb = lambda key: int(fields[key].split()[0]) // 1024
-    return f"server RSS {mb('VmRSS')} MB (peak {mb('VmHWM')} MB)"
+    return {"rss_mb": int(fields["VmRSS"].split()[0]) // 1024, "peak_rss_mb": int(fields["VmHWM"].split()[0]) // 1024}
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ specserve, general topics), greedy, 128 tokens, plain decoding vs speculation (n
 acceptance it has there.
 
     python benchmarks/structured_outputs.py [--num-prompts 20] [--max-tokens 128] [--max-draft-len 4]
-        [--methods ngram,suffix] [--json out.json]
+        [--methods ngram,suffix] [--tools required|named] [--json out.json]
+
+`--tools`: each schema is instead the parameters of a function `record` the chat template is shown, called with
+OpenAI's `tool_choice` `required` (a JSON array of calls) or named (the arguments alone), as the server decodes it.
 
 Reports per run: output tokens/s, acceptance rate and length (tokens per target forward), the share of outputs that
 are valid JSON matching their schema (a run cut by max_tokens is not), and whether the speculative outputs equal
@@ -19,6 +22,7 @@ import time
 from dataclasses import replace
 
 from specserve.config import DeploymentConfig, SpeculativeConfig, build_engine
+from specserve.server.openai.tools import parse_tools
 from specserve.speculative.grammar import Guide
 from specserve.speculative.sampling import SamplingParams
 
@@ -103,28 +107,50 @@ def in_range(value, schema: dict) -> bool:
     return schema.get("minimum", value) <= value <= schema.get("maximum", value)
 
 
-def prompt_ids(engine, text: str) -> list[int]:
+def prompt_ids(engine, text: str, tools: list[dict] | None = None) -> list[int]:
     """The request as a chat turn in the model's chat format (the embedded default: specserve's question-and-answer
     format, models/chat_template.py), as the server's chat route renders it."""
     tokenizer = engine.tokenizer
     if getattr(tokenizer, "chat_template", None):
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, **({"tools": tools} if tools else {}))
         return tokenizer(rendered, add_special_tokens=False).input_ids
     return engine.encode(text)
 
 
-def run(engine, cases, max_tokens: int, guided: bool) -> dict:
-    warm = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", cases[0][1]) if guided else None)
-    engine.generate(prompt_ids(engine, cases[0][0]), warm)  # untimed, full length: kernels, the grammar vocabulary
+def tool_request(schema: dict, choice: str):
+    """A one-function tool request whose parameters are `schema`, called as OpenAI's `tool_choice` says."""
+    tools = [{"type": "function", "function": {"name": "record", "description": "Record the answer.",
+                                               "parameters": schema}}]
+    named = {"type": "function", "function": {"name": "record"}}
+    return parse_tools({"tools": tools, "tool_choice": named if choice == "named" else choice}, None, None)
+
+
+def request(engine, text: str, schema: dict, guided: bool, tools: str | None):
+    """(prompt ids, guide, the output -> its JSON value) of one case."""
+    if tools is None:
+        return prompt_ids(engine, text), Guide("json_schema", schema) if guided else None, json.loads
+    calls = tool_request(schema, tools)
+
+    def arguments(output: str):
+        message, _ = calls.output().message(output, "stop")
+        return json.loads(message["tool_calls"][0]["function"]["arguments"])  # KeyError: no call
+
+    return prompt_ids(engine, text, calls.template_tools()), calls.guide() if guided else None, arguments
+
+
+def run(engine, cases, max_tokens: int, guided: bool, tools: str | None = None) -> dict:
+    ids, guide, _ = request(engine, *cases[0], guided, tools)
+    engine.generate(ids, SamplingParams(max_tokens=max_tokens, guide=guide))  # untimed: kernels, grammar vocabulary
     if engine.method is not None:
         engine.method.reset()  # a method that learns across requests (suffix) must not draft from the warm-up
     outputs, valid, tokens, seconds, drafted, accepted, forwards = [], 0, 0, 0.0, 0, 0, 0
     for text, schema in cases:
-        params = SamplingParams(max_tokens=max_tokens, guide=Guide("json_schema", schema) if guided else None,
+        ids, guide, value = request(engine, text, schema, guided, tools)
+        params = SamplingParams(max_tokens=max_tokens, guide=guide,
                                 stop=list(engine.target.chat_stop))  # as the server's chat route sets it
         start = time.perf_counter()
-        result = engine.generate(prompt_ids(engine, text), params)
+        result = engine.generate(ids, params)
         seconds += time.perf_counter() - start
         m = result.metrics
         outputs.append(result.token_ids)
@@ -132,8 +158,8 @@ def run(engine, cases, max_tokens: int, guided: bool) -> dict:
             accepted + m.total_accepted_draft_tokens
         forwards += m.target_forwards
         try:
-            valid += matches(json.loads(result.text), schema)
-        except ValueError:
+            valid += matches(value(result.text), schema)
+        except (ValueError, KeyError, IndexError):
             pass
     return {"tokens_per_s": round(tokens / seconds, 2), "output_tokens": tokens,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
@@ -147,6 +173,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-draft-len", type=int, default=4)
     parser.add_argument("--methods", default="ngram", help="comma-separated speculative methods run guided")
+    parser.add_argument("--tools", choices=["required", "named"], help="ask for each schema as a tool call")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     cases = CASES[: args.num_prompts]
@@ -154,11 +181,11 @@ def main() -> None:
     target = base.model.load()
     engines = {name: build_engine(replace(base, speculative=SpeculativeConfig(name, args.max_draft_len)), target)
                for name in args.methods.split(",")}
-    runs = {"ar+json_schema": run(build_engine(base, target), cases, args.max_tokens, True)}
+    runs = {"ar+json_schema": run(build_engine(base, target), cases, args.max_tokens, True, args.tools)}
     for name, engine in engines.items():
-        runs[f"{name}+json_schema"] = run(engine, cases, args.max_tokens, True)
+        runs[f"{name}+json_schema"] = run(engine, cases, args.max_tokens, True, args.tools)
     first = next(iter(engines))
-    runs[f"{first} (no guide)"] = run(engines[first], cases, args.max_tokens, False)
+    runs[f"{first} (no guide)"] = run(engines[first], cases, args.max_tokens, False, args.tools)
     reference = runs["ar+json_schema"]["outputs"]
     summary = {name: {k: v for k, v in r.items() if k != "outputs"} for name, r in runs.items()}
     for name in engines:

@@ -807,8 +807,8 @@ class CallLayout {
 // per thread. A longer one (the lm_head and its greedy screen: 16k tiles) shares them out as threads come free: a
 // thread takes a run of consecutive items, 1 / (2 threads) of those left and at least kShortestRun, so runs are
 // long (sequential reads) early and short near the end. Statically, whichever thread was slowed (stolen time on a
-// VM) held the other at the join: the greedy screen at 8 rows ran 1.03-1.12x slower (docs/benchmarks.md, session
-// 22). Which thread computes an item never changes how it is computed.
+// VM) held the other at the join: the greedy screen at 8 rows ran 1.03-1.12x slower (docs/design-notes.md, "Work
+// sharing between the two threads"). Which thread computes an item never changes how it is computed.
 constexpr int64_t kSharedFrom = 1024;
 constexpr int64_t kShortestRun = 4;  // each take is an atomic add on a line both threads write
 
