@@ -106,7 +106,7 @@ def _ready(port: int) -> bool:
         return False
 
 
-def run(quick: bool, hf: bool, save) -> dict:
+def run(machine: dict, quick: bool, hf: bool, save) -> dict:
     """Every part in turn, the report saved after each (a part that fails leaves the ones before it)."""
     prompts, tokens = (4, 64) if quick else (20, 128)
     methods = (QUICK_METHODS if quick else FULL_METHODS) + (",hf,hf-pld" if hf else "")
@@ -115,7 +115,7 @@ def run(quick: bool, hf: bool, save) -> dict:
     sets = {"general": GENERAL}
     if HUMANEVAL.exists():
         sets["humaneval"] = HUMANEVAL
-    report = {"cpu": cpu(), "quick": quick, "date": time.strftime("%Y-%m-%d"), "offline": {}}
+    report = {"cpu": machine, "quick": quick, "date": time.strftime("%Y-%m-%d"), "offline": {}}
     for name, path in sets.items():
         report["offline"][name] = bench(path, methods, prompts, tokens)
         save(report)
@@ -227,11 +227,12 @@ def main() -> None:
                                                           "(bf16: slow on CPUs without native bf16 arithmetic)")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{cpu()['slug']}.json"
+    machine = cpu()
+    path = RESULTS / f"{machine['slug']}.json"
     if args.rewrite:
         report = json.loads(path.read_text())
     else:
-        report = run(args.quick, args.hf, lambda so_far: path.write_text(json.dumps(so_far, indent=2) + "\n"))
+        report = run(machine, args.quick, args.hf, lambda so_far: path.write_text(json.dumps(so_far, indent=2) + "\n"))
     charts(report)
     update_readme(readme_table(report))
     print(f"wrote {path.relative_to(ROOT)} and its charts")

@@ -3,8 +3,8 @@ plain decoding.
 
 A method whose drafting runs a model pays that model's time every step it drafts, whatever the target then
 accepts. For a chain (a draft model) the batch's draft-length choice prices that time per drafted token; a tree
-method (an EAGLE or Medusa head) sizes its own trees, so this gate decides whether it drafts at all. Per request the gate compares two ways of taking a step, from what that
-request actually got:
+method (an EAGLE or Medusa head) sizes its own trees, so this gate decides whether it drafts at all. Per request
+the gate compares two ways of taking a step, from what that request actually got:
 
     full  : the method's draft.  tokens E_f per step for  d_f + v(n_f) seconds
     cheap : what costs no model: nothing (plain decoding), or the lookup branch of an EAGLE tree (`eagle3+ngram`).

@@ -40,7 +40,7 @@ from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Pro
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
-from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, check_lookup_bounds, read_lookup_bounds
+from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.tree_budget import TreeBudget
@@ -361,7 +361,7 @@ class EagleOptions(MethodOptions):
     layers: list[int] | None = None  # eagle3_layers_to_capture; None: the head's config or the default
     lookup_branch: bool = False  # prompt_lookup_branch: merge prompt lookup's continuation into every tree
     prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 5  # as `ngram`'s: the branch drafts what prompt lookup alone would
+    prompt_lookup_max: int = NGramOptions.prompt_lookup_max  # the branch drafts what prompt lookup alone would
     suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
     suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
     KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
@@ -443,10 +443,10 @@ def dynamic_if_asked(settings: dict) -> MethodEntry:
 
 HEAD = "the directory of the EAGLE head"
 BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # eagle3+ngram, eagle3+suffix
-# a tree with a lookup branch, unless max_draft_len is given: depth 6 as `ngram`'s cap (0.98x `ngram` against 0.91x
-# at depth 4 with n-grams up to 3 on general questions, AVX2 Zen 3): the tree budget and the draft gate keep the
-# head's own levels from going deeper than they pay
-COMBINED_DRAFT_CAP = 6
+# a tree with a lookup branch, unless max_draft_len is given: as deep as `ngram`'s cap, 6 (0.98x `ngram` against
+# 0.91x at depth 4 with n-grams up to 3 on general questions, AVX2 Zen 3): the tree budget and the draft gate keep
+# the head's own levels from going deeper than they pay
+COMBINED_DRAFT_CAP = NGRAM.adaptive_draft_cap
 EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
                      head_kind="eagle", combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True,
                      combined_draft_cap=COMBINED_DRAFT_CAP)

@@ -65,7 +65,8 @@ def test_repository_index_and_statistics(client, server):
 
 
 def test_load_and_unload_over_grpc(client):
-    """Explicit model-control mode (the server all tests here share): unload, not ready, load again, ready and serving."""
+    """Explicit model-control mode (the server all tests here share): unload, not ready, load again, ready and
+    serving."""
     client.unload_model("plain")
     assert not client.is_model_ready("plain")
     with pytest.raises(InferenceServerException) as err:
