@@ -465,6 +465,79 @@ void linear_block(const Linear& L, int64_t n0, int64_t nr) {
   }
 }
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+
+// AVX2 + FMA: dot_tile's arithmetic (the same FMAs on the same lanes, in the same order), blocked for reuse. x is
+// split into its odd and even fp32 lanes once per call (16 bf16 -> 8 odd then 8 even floats, zeros past K), and
+// a tile of MR x rows and NR weight rows runs each 16-element half of a step in its own pass: the MR * NR
+// accumulators, NR split weight vectors and one x pair fit AVX2's 16 registers, and each weight vector loaded
+// serves MR rows (one row at a time, the weights were split again for every row).
+constexpr int kPairRows = 4, kPairCols = 2;
+
+template <int MR, int NR>
+void pair_tile(const float* const* a, const bf16* const* b, int64_t K, float* out) {
+  __m256 half[2][MR][NR];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 16 * h; k < K; k += kStep) {
+      Pairs bv[NR];
+      for (int j = 0; j < NR; ++j) bv[j] = load_pairs(b[j] + k, K - k);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 odd = _mm256_loadu_ps(a[i] + k), even = _mm256_loadu_ps(a[i] + k + 8);
+        for (int j = 0; j < NR; ++j)
+          acc[i][j] = _mm256_fmadd_ps(even, bv[j].even, _mm256_fmadd_ps(odd, bv[j].odd, acc[i][j]));
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) half[h][i][j] = acc[i][j];
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum16(half[0][i][j], half[1][i][j]);
+}
+
+using PairTileFn = void (*)(const float* const*, const bf16* const*, int64_t, float*);
+
+template <int MR>
+constexpr std::array<PairTileFn, kPairCols> pair_tiles_for_rows() {
+  return {pair_tile<MR, 1>, pair_tile<MR, 2>};
+}
+constexpr std::array<std::array<PairTileFn, kPairCols>, kPairRows> kPairTiles = {
+    pair_tiles_for_rows<1>(), pair_tiles_for_rows<2>(), pair_tiles_for_rows<3>(), pair_tiles_for_rows<4>()};
+
+void linear_dot(const Linear& L) {
+  const int64_t padded = (L.K + kStep - 1) / kStep * kStep;
+  std::vector<float> wide(L.M * padded);
+  for (int64_t m = 0; m < L.M; ++m)
+    for (int64_t k = 0; k < padded; k += 16) {
+      const Pairs p = load_pairs(L.x + m * L.K + k, L.K - k);
+      _mm256_storeu_ps(wide.data() + m * padded + k, p.odd);
+      _mm256_storeu_ps(wide.data() + m * padded + k + 8, p.even);
+    }
+  // Threads split N: that moves whole output columns between threads, never changes their arithmetic.
+  const int64_t blocks = (L.N + kPairCols - 1) / kPairCols;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kPairCols * std::max<int64_t>(L.K, 1) * L.M));
+  specserve::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kPairCols, nr = std::min<int64_t>(kPairCols, L.N - n0);
+      const bf16* b[kPairCols];
+      for (int j = 0; j < nr; ++j) b[j] = L.w + (n0 + j) * L.K;
+      for (int64_t m0 = 0; m0 < L.M; m0 += kPairRows) {
+        const int64_t mr = std::min<int64_t>(kPairRows, L.M - m0);
+        const float* a[kPairRows];
+        for (int i = 0; i < mr; ++i) a[i] = wide.data() + (m0 + i) * padded;
+        float tile[kPairRows * kPairCols];
+        kPairTiles[mr - 1][nr - 1](a, b, L.K, tile);
+        for (int i = 0; i < mr; ++i)
+          for (int j = 0; j < nr; ++j) store(L, m0 + i, n0 + j, tile[i * nr + j]);
+      }
+    }
+  });
+}
+
+#else
+
 void linear_dot(const Linear& L) {
   // Threads split N: that moves whole output columns between threads, never changes their arithmetic.
   const int64_t blocks = (L.N + kNR - 1) / kNR;
@@ -473,6 +546,8 @@ void linear_dot(const Linear& L) {
     for (int64_t blk = begin; blk < end; ++blk) linear_block(L, blk * kNR, std::min<int64_t>(kNR, L.N - blk * kNR));
   });
 }
+
+#endif
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 

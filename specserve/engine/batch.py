@@ -267,6 +267,7 @@ class BatchEngine:
         return len(self.rows) - 1
 
     def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
+        started = time.perf_counter()
         draft_len = self.choose_draft_len(self.rows)
         verify = self._verify_share(len(self.rows))
         cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq).decide(verify))
@@ -284,6 +285,8 @@ class BatchEngine:
             before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
                       for seq in seqs]
             events = self._forward(seqs)
+            shares = self._step_shares(time.perf_counter() - started, [p for _, _, p in before], verify) \
+                if self.gated else {}
             for seq, (drafted, accepted, proposal) in zip(seqs, before):
                 drafted = seq.metrics.total_draft_tokens - drafted
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
@@ -293,7 +296,8 @@ class BatchEngine:
                     self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
                         0.8 * self.draft_seconds_per_token + 0.2 * per_token
                 if self.gated and seq in self.gates:
-                    self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify)
+                    self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
+                                            shares.get(id(proposal)))
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -386,6 +390,15 @@ class BatchEngine:
         if seq not in self.gates:
             self.gates[seq] = DraftGate(self.gate_pool)
         return self.gates[seq]
+
+    @staticmethod
+    def _step_shares(wall: float, proposals, verify) -> dict[int, float]:
+        """Each row's share of a step's measured wall time (keyed by its proposal's id): its own drafting, and the
+        rest in proportion to the table's price of its part of the forward (at one row: the whole step)."""
+        priced = [verify(len(p.tree.draft)) for p in proposals]
+        drafting = sum(p.seconds for p in proposals)
+        rest = max(wall - drafting, 0.0)
+        return {id(p): p.seconds + rest * price / sum(priced) for p, price in zip(proposals, priced)}
 
     def _verify_share(self, rows: int):
         """n -> one row's share of a step of `rows` rows in which that row verifies n draft tokens: the undrafted

@@ -12,7 +12,12 @@ the gate compares two ways of taking a step, from what that request actually got
 
 E: tokens a step emits (1 + accepted draft tokens), d: drafting seconds (measured around the proposer), v(n): the
 target's measured cost of verifying n draft tokens (`StepCosts`, the batch's table, per row). It drafts in full while
-E_f / (d_f + v(n_f)) >= E_c / v(n_c). Estimates are exponentially smoothed (the last few steps count most) and start
+E_f / S_f >= E_c / S_c, where S is the arm's measured seconds per step (this request's share of the step's wall
+time) once the engine reports it, else d + v(n). The table times bare chain forwards; a step in the generation
+loop also pays tree attention masks, feature capture, commit and sampling, and a tree's step costs more above the
+table than a plain one (on AVX2, a 1-node EAGLE-3 tree verified 4 ms above a plain step where the table says 1.8),
+so prices from the table alone kept drafting a head that lost 5-15%. While the full draft has been measured and the
+cheap step has not, the gate takes one cheap step to measure it. Estimates are exponentially smoothed (the last few steps count most) and start
 from the method's pool (every request so far, forgetting slowly), so a new request does not relearn a bad head.
 
 A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
@@ -41,24 +46,38 @@ POOL_DECAY = 0.97
 
 @dataclass
 class Arm:
-    """Smoothed outcomes of one way of stepping: tokens per step, drafting seconds per step, draft tokens verified."""
+    """Smoothed outcomes of one way of stepping: tokens per step, drafting seconds per step, draft tokens verified,
+    and the whole step's measured seconds (None until the engine has reported one)."""
 
     tokens: float | None = None
     draft_seconds: float | None = None
     nodes: float = 0.0
+    seconds: float | None = None
 
-    def observe(self, tokens: int, nodes: int, draft_seconds: float | None, decay: float) -> None:
+    def observe(self, tokens: int, nodes: int, draft_seconds: float | None, step_seconds: float | None,
+                decay: float) -> None:
         if self.tokens is None:
             self.tokens, self.nodes = float(tokens), float(nodes)
         else:
             self.tokens = decay * self.tokens + (1 - decay) * tokens
             self.nodes = decay * self.nodes + (1 - decay) * nodes
-        if draft_seconds is not None:
-            self.draft_seconds = draft_seconds if self.draft_seconds is None else \
-                decay * self.draft_seconds + (1 - decay) * draft_seconds
+        self.draft_seconds = smoothed(self.draft_seconds, draft_seconds, decay)
+        self.seconds = smoothed(self.seconds, step_seconds, decay)
+
+    def cost(self, verify_seconds) -> float:
+        """Seconds per step: as measured, else drafting plus the table's price of verifying."""
+        if self.seconds is not None:
+            return self.seconds
+        return (self.draft_seconds or 0.0) + verify_seconds(self.nodes)
 
     def copy(self) -> Arm:
-        return Arm(self.tokens, self.draft_seconds, self.nodes)
+        return Arm(self.tokens, self.draft_seconds, self.nodes, self.seconds)
+
+
+def smoothed(estimate: float | None, reading: float | None, decay: float) -> float | None:
+    if reading is None:
+        return estimate
+    return reading if estimate is None else decay * estimate + (1 - decay) * reading
 
 
 @dataclass
@@ -81,7 +100,9 @@ class DraftGate:
         self.probe_steps = 0  # full steps left in the current probe
 
     def rate(self, arm: Arm, verify_seconds) -> float:
-        return (arm.tokens or 1.0) / ((arm.draft_seconds or 0.0) + verify_seconds(arm.nodes))
+        if self.full.seconds is None or self.cheap.seconds is None:  # compare like with like
+            return (arm.tokens or 1.0) / ((arm.draft_seconds or 0.0) + verify_seconds(arm.nodes))
+        return (arm.tokens or 1.0) / arm.cost(verify_seconds)
 
     def pays(self, verify_seconds) -> bool:
         """Whether the full draft's tokens/s beat the cheap step's, by the estimates so far (True until a steady
@@ -90,10 +111,15 @@ class DraftGate:
             return True
         return self.rate(self.full, verify_seconds) >= self.rate(self.cheap, verify_seconds)
 
+    def cheap_unmeasured(self) -> bool:
+        return self.full.seconds is not None and self.cheap.seconds is None
+
     def decide(self, verify_seconds) -> bool:
         """Draft in full this step? `verify_seconds(n)`: this request's share of a step verifying n draft tokens."""
         if self.probe_steps:
             return True
+        if self.cheap_unmeasured():
+            return False
         if self.pays(verify_seconds):
             return True
         self.skipped += 1
@@ -104,13 +130,15 @@ class DraftGate:
         return False
 
     def observe(self, drafted_in_full: bool, tokens: int, nodes: int, draft_seconds: float,
-                verify_seconds) -> None:
-        """The step's outcome: tokens emitted, draft tokens verified, seconds spent drafting."""
+                verify_seconds, step_seconds: float | None = None) -> None:
+        """The step's outcome: tokens emitted, draft tokens verified, seconds spent drafting, and (when the engine
+        measures it) this request's share of the step's wall time."""
         steady = drafted_in_full and self.drafted_last
         arm, pooled = (self.full, self.pool.full) if drafted_in_full else (self.cheap, self.pool.cheap)
-        seconds = draft_seconds if (steady or not drafted_in_full) else None
-        arm.observe(tokens, nodes, seconds, DECAY)
-        pooled.observe(tokens, nodes, seconds, POOL_DECAY)
+        timed = steady or not drafted_in_full
+        seconds, step = (draft_seconds, step_seconds) if timed else (None, None)
+        arm.observe(tokens, nodes, seconds, step, DECAY)
+        pooled.observe(tokens, nodes, seconds, step, POOL_DECAY)
         self.drafted_last = drafted_in_full
         if not drafted_in_full:
             return
@@ -128,7 +156,6 @@ class DraftGate:
     def longest_backoff(self, verify_seconds) -> int:
         """MAX_BACKOFF, or longer where a probe's extra time would be more than PROBE_SHARE of the cheap steps
         between probes (a static EAGLE-1 tree through the target's lm_head costs several plain steps)."""
-        cheap = (self.cheap.draft_seconds or 0.0) + verify_seconds(self.cheap.nodes)
-        full = (self.full.draft_seconds or 0.0) + verify_seconds(self.full.nodes)
+        cheap, full = self.cheap.cost(verify_seconds), self.full.cost(verify_seconds)
         extra = PROBE_STEPS * max(full - cheap, 0.0)
         return max(MAX_BACKOFF, math.ceil(extra / (PROBE_SHARE * cheap)))

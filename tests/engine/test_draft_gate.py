@@ -76,3 +76,34 @@ def test_a_dear_probe_waits_until_its_cost_is_a_small_share():
     extra = full_steps * (dear + verify(8) - verify(0))
     cheap = (len(drafted) // 2 - full_steps) * verify(0)
     assert pool.backoff > MAX_BACKOFF and extra < 2.5 * PROBE_SHARE * cheap
+
+
+def run_measured(gate: DraftGate, steps: int, accepted: int, full_seconds: float, cheap_seconds: float,
+                 nodes: int = 1) -> list[bool]:
+    """As `run`, with the engine's measured wall time of each step (its drafting: 2 ms of it when drafted)."""
+    drafted = []
+    for _ in range(steps):
+        full = gate.decide(verify)
+        drafted.append(full)
+        if full:
+            gate.observe(True, 1 + accepted, nodes, 0.002, verify, step_seconds=full_seconds)
+        else:
+            gate.observe(False, 1, 0, 0.0, verify, step_seconds=cheap_seconds)
+    return drafted
+
+
+def test_measured_step_times_overrule_the_table():
+    # by the table a 1-node draft accepted every time pays: 2 tokens for 2 + 11 ms against 1 for 10 ms; measured,
+    # the drafted step takes 25 ms and the plain one 12 ms, so it does not
+    table_only = run(DraftGate(GatePool()), 200, accepted=1, nodes=1, draft_seconds=0.002)
+    measured = run_measured(DraftGate(GatePool()), 200, accepted=1, full_seconds=0.025, cheap_seconds=0.012)
+    assert all(table_only)
+    assert sum(measured[100:]) <= 2 * PROBE_STEPS
+
+
+def test_the_cheap_step_is_measured_once_before_comparing():
+    gate = DraftGate(GatePool())
+    steps = run_measured(gate, 6, accepted=3, full_seconds=0.020, cheap_seconds=0.010, nodes=4)
+    assert steps[:2] == [True, True] and not steps[2]  # catch-up, steady, then one cheap step to measure
+    assert gate.cheap.seconds == 0.010 and gate.full.seconds == 0.020
+    assert all(steps[3:])  # 4 tokens in 20 ms beat 1 in 10 ms

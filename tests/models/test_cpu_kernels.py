@@ -211,6 +211,16 @@ def test_norm_glue_is_bit_identical_on_the_scalar_path(scalar_build, d):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+@pytest.mark.parametrize("k, n", [(640, 70), (1920, 33), (100, 9), (33, 5)])
+def test_small_linear_is_bit_identical_on_the_scalar_path(scalar_build, k, n):
+    """The vector tiles (AVX2's blocked pairs, AVX512-BF16's VDPBF16PS) add the same products in the same order
+    as the scalar model, for every row count a tile edge can leave and K off the 32-element step."""
+    x, w = bf16(9, k), bf16(n, k)
+    for m in range(1, 10):
+        assert torch.equal(ck.small_linear(x[:m], w, out_fp32=True),
+                           scalar_build.small_linear(x[:m].contiguous(), w, None, True)), m
+
+
 def test_argmax_is_torch_argmax_with_ties_nans_and_infinities():
     for shape in [(1, 262144), (5, 1000), (3, 17), (2, 1), (2, 3, 40)]:
         x = torch.randn(*shape)
