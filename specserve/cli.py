@@ -195,8 +195,14 @@ def bench(
     costs = measure_step_costs(target) if step_costs else None
     floor = None
     if costs:
-        from specserve.bench.offline import roofline
+        from specserve.bench.offline import compute_rates, roofline
         typer.echo("forward ms by tokens: " + ", ".join(f"{n}: {ms:.1f}" for n, ms in costs.items()))
+        rates = compute_rates(target.model, costs)
+        shares = rates["share_of_peak_by_tokens"]
+        typer.echo(f"multiply-adds/s by tokens (G; share of the {rates['isa']} int8 peak, "
+                   f"{rates['int8_peak_gmacs']:.0f} G measured): " + ", ".join(
+                       f"{n}: {g:.0f}" + (f" ({shares[n]:.0%})" if shares else "")
+                       for n, g in rates["gmacs_by_tokens"].items()))
         floor = roofline(target.model)
         low, high = floor["ratio_range"]
         typer.echo(f"plain step {floor['plain_step_ms']:.1f} ms; its weights, {floor['weights_mb']:.0f} MB read "
@@ -217,6 +223,7 @@ def bench(
                   "max_draft_len": config.speculative.draft_len, "methods": results}
         if costs:
             report["forward_ms_by_tokens"] = costs
+            report["compute"] = rates
             report["roofline"] = floor
         if trees:
             report["step_ms_by_tree_nodes"] = trees

@@ -224,6 +224,27 @@ def streamed_weight_bytes(model) -> int:
     return sum(storages.values())  # are views of their fused weight: each storage counts once
 
 
+def multiply_adds_per_token(spec) -> int:
+    """The weight multiply-adds of one token's forward: every layer's projections and the lm_head (attention over
+    the context is left out: at the short contexts `--step-costs` times, it is a few percent)."""
+    attention = spec.hidden_size * spec.head_dim * (2 * spec.num_heads + 2 * spec.num_kv_heads)  # q, o, k, v
+    return spec.num_layers * (attention + 3 * spec.hidden_size * spec.intermediate_size) \
+        + spec.vocab_size * spec.hidden_size
+
+
+def compute_rates(model, costs_ms: dict[int, float]) -> dict:
+    """Each timed forward's achieved multiply-adds per second next to the CPU's int8 peak (a probe of the best
+    kernel path's multiply instruction on all threads)."""
+    from specserve.models.quant import best_isa, int8_peak_macs
+
+    per_token = multiply_adds_per_token(model.spec)
+    peak = int8_peak_macs()
+    achieved = {n: per_token * n / (ms / 1e3) for n, ms in costs_ms.items()}
+    return {"multiply_adds_per_token": per_token, "int8_peak_gmacs": round(peak / 1e9, 1), "isa": best_isa(),
+            "gmacs_by_tokens": {n: round(v / 1e9, 1) for n, v in achieved.items()},
+            "share_of_peak_by_tokens": {n: round(v / peak, 3) for n, v in achieved.items()} if peak else {}}
+
+
 def memory_read_seconds(buffer: torch.Tensor, repeats: int = 2) -> float:
     """The best of a few streaming reads of `buffer` on all threads (the quantized kernel's probe)."""
     from specserve.models.quant import stream_read

@@ -16,18 +16,20 @@ E_f / S_f >= E_c / S_c, where S is the arm's measured seconds per step (this req
 time) once the engine reports it, else d + v(n). The table times bare chain forwards; a step in the generation
 loop also pays tree attention masks, feature capture, commit and sampling, and a tree's step costs more above the
 table than a plain one (on AVX2, a 1-node EAGLE-3 tree verified 4 ms above a plain step where the table says 1.8),
-so prices from the table alone kept drafting a head that lost 5-15%. While the full draft has been measured and the
-cheap step has not, the gate takes one cheap step to measure it. Estimates are exponentially smoothed (the last few steps count most) and start
-from the method's pool (every request so far, forgetting slowly), so a new request does not relearn a bad head.
+so prices from the table alone kept drafting a head that lost 5-15%. While the full draft has been measured and
+the cheap step has not, the gate takes one cheap step to measure it. Estimates are exponentially smoothed (the
+last few steps count most) and start from the method's pool (every request so far, forgetting slowly), so a new
+request does not relearn a bad head.
 
 A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
 cheap steps it drafts two steps in full; a probe that loses doubles the backoff (up to MAX_BACKOFF), one that wins
-reopens the gate. A head that never pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two
-full steps cost more than PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count
-of skipped steps carries over from request to request through the pool). Drafting
-seconds are learnt only from a step that follows a drafted step (hence probes of two): the first one after skipped
-steps also catches the head up on the tokens it skipped (a one-off, like a prefill), which a steady step does not
-pay. Until one steady step is measured the gate stays open.
+by REOPEN_MARGIN reopens the gate (an open gate stays open while the full draft merely wins). A head that never
+pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two full steps cost more than
+PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count of skipped steps carries
+over from request to request through the pool). Drafting seconds are learnt only from a step that follows a
+drafted step (hence probes of two): the first one after skipped steps also catches the head up on the tokens it
+skipped (a one-off, like a prefill), which a steady step does not pay. Until one steady step is measured the gate
+stays open.
 
 Both kinds of step verify with the same verifier, so the gate changes speed only, never the output.
 """
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+REOPEN_MARGIN = 1.1  # a closed gate reopens only where the full draft's rate beats the cheap step's by this
 MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
 PROBE_STEPS = 2
 PROBE_SHARE = 0.02  # of a gated request's time, what its probes may cost at most: a dear probe waits longer
@@ -98,18 +101,24 @@ class DraftGate:
         self.skipped = pool.skipped
         self.drafted_last = False  # whether the previous step drafted in full (its drafting cost is steady)
         self.probe_steps = 0  # full steps left in the current probe
+        self.closed = False  # whether the last decision outside a probe was a cheap step
 
     def rate(self, arm: Arm, verify_seconds) -> float:
         if self.full.seconds is None or self.cheap.seconds is None:  # compare like with like
             return (arm.tokens or 1.0) / ((arm.draft_seconds or 0.0) + verify_seconds(arm.nodes))
         return (arm.tokens or 1.0) / arm.cost(verify_seconds)
 
-    def pays(self, verify_seconds) -> bool:
-        """Whether the full draft's tokens/s beat the cheap step's, by the estimates so far (True until a steady
-        full step has been measured)."""
+    def pays(self, verify_seconds, margin: float = 1.0) -> bool:
+        """Whether the full draft's tokens/s beat the cheap step's (by `margin`), by the estimates so far (True
+        until a steady full step has been measured)."""
         if self.full.tokens is None or self.full.draft_seconds is None:
             return True
-        return self.rate(self.full, verify_seconds) >= self.rate(self.cheap, verify_seconds)
+        return self.rate(self.full, verify_seconds) >= margin * self.rate(self.cheap, verify_seconds)
+
+    def reopen_margin(self) -> float:
+        """A closed gate reopens on a clear win only: two probe steps are noisy, and a head near break-even that
+        reopened on every lucky probe drafted on at a loss until its estimate fell back (Medusa on code)."""
+        return REOPEN_MARGIN if self.closed else 1.0
 
     def cheap_unmeasured(self) -> bool:
         return self.full.seconds is not None and self.cheap.seconds is None
@@ -120,8 +129,10 @@ class DraftGate:
             return True
         if self.cheap_unmeasured():
             return False
-        if self.pays(verify_seconds):
+        if self.pays(verify_seconds, self.reopen_margin()):
+            self.closed = False
             return True
+        self.closed = True
         self.skipped += 1
         self.pool.skipped = self.skipped
         if self.skipped > self.backoff:
@@ -147,8 +158,8 @@ class DraftGate:
         self.probe_steps = max(self.probe_steps - 1, 0)
         if self.probe_steps:
             return
-        if self.pays(verify_seconds):
-            self.backoff = 1
+        if self.pays(verify_seconds, self.reopen_margin()):
+            self.backoff, self.closed = 1, False
         elif probing:
             self.backoff = min(2 * self.backoff, self.longest_backoff(verify_seconds))
         self.pool.backoff = self.backoff

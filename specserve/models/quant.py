@@ -402,6 +402,12 @@ def best_isa() -> str:
     return _kernel().best_isa()
 
 
+def int8_peak_macs(seconds: float = 0.2) -> float:
+    """The CPU's int8 multiply-adds per second on the best path's multiply instruction, measured on all threads
+    (0.0 where only the scalar path runs)."""
+    return _kernel().int8_peak_macs(seconds)
+
+
 def stream_read(buffer: torch.Tensor) -> int:
     """Read every byte of `buffer` once (a bandwidth probe); returns a checksum so nothing is optimized away."""
     return _kernel().stream_read(buffer)

@@ -18,3 +18,25 @@ def test_prompt_files(tmp_path):
     for bad, needle in [("", "no prompts"), ("{not json\n", "not valid JSON"), ('{"turns": []}\n', "expected")]:
         with pytest.raises(ConfigError, match=needle):
             load_prompts(write(tmp_path / "bad.jsonl", bad))
+
+
+def test_multiply_adds_per_token_counts_every_projection_and_the_lm_head():
+    from types import SimpleNamespace
+
+    from specserve.bench.offline import multiply_adds_per_token
+
+    # Llama-3.2-1B: 1.236 G parameters with its tied 128256 x 2048 table counted once, as the lm_head
+    spec = SimpleNamespace(hidden_size=2048, head_dim=64, num_heads=32, num_kv_heads=8, num_layers=16,
+                           intermediate_size=8192, vocab_size=128256)
+    assert multiply_adds_per_token(spec) == 16 * (2048 * 64 * 80 + 3 * 2048 * 8192) + 128256 * 2048
+    assert abs(multiply_adds_per_token(spec) / 1.236e9 - 1) < 0.01
+
+
+def test_the_int8_peak_probe_measures_the_multiply_instruction():
+    from specserve.models.quant import best_isa, int8_peak_macs
+
+    peak = int8_peak_macs(0.01)
+    if best_isa() == "scalar":
+        assert peak == 0.0
+    else:  # a finite rate: an instruction folded away would read as (near) infinite, a broken timer as zero
+        assert 1e9 < peak < 1e14

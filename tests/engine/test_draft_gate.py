@@ -107,3 +107,15 @@ def test_the_cheap_step_is_measured_once_before_comparing():
     assert steps[:2] == [True, True] and not steps[2]  # catch-up, steady, then one cheap step to measure
     assert gate.cheap.seconds == 0.010 and gate.full.seconds == 0.020
     assert all(steps[3:])  # 4 tokens in 20 ms beat 1 in 10 ms
+
+
+def test_an_open_gate_stays_open_on_a_small_win_and_a_closed_one_needs_a_clear_one():
+    # 2 tokens in 19 ms against 1 in 10 ms: the full draft wins by 5%
+    gate = DraftGate(GatePool())
+    assert sum(run_measured(gate, 200, accepted=1, full_seconds=0.019, cheap_seconds=0.010)[100:]) == 100
+    closed = DraftGate(GatePool())
+    run_measured(closed, 100, accepted=0, full_seconds=0.019, cheap_seconds=0.010)  # a head that lost so far
+    later = run_measured(closed, 200, accepted=1, full_seconds=0.019, cheap_seconds=0.010)
+    assert sum(later) < 20  # probes only: 5% is within a two-step probe's noise
+    much_better = run_measured(closed, 200, accepted=2, full_seconds=0.019, cheap_seconds=0.010)
+    assert sum(much_better[-100:]) == 100  # 3 tokens in 19 ms: a clear win reopens it
