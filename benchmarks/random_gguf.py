@@ -113,8 +113,9 @@ def synthetic_vocabulary(size: int) -> tuple[list[str], list[str], list[int]]:
     return tokens + list(SPECIALS), merges, types
 
 
-def write(name: str, kind: str, out: Path, seed: int = 0) -> None:
-    shape = SHAPES[name]
+def write(name: str, kind: str, out: Path, seed: int = 0, shape: Shape | None = None) -> None:
+    """The GGUF of SHAPES[name] (or of `shape`, named `name`) with `kind` blocks."""
+    shape = shape or SHAPES[name]
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(out), shape.arch)
     head_dim = shape.hidden // shape.heads

@@ -130,8 +130,14 @@ def llama2c_to_hf_dir(path: Path) -> Path:
         raise ModelLoadError(f"cannot convert llama2.c checkpoint {path}: {exc}") from exc
 
 
+PACKED_ONLY = "specserve-packed-only"  # marks a converted directory that holds no dense linears or embedding
+DENSE_RAM_SHARE = 0.4  # a GGUF whose fp32 weights would take more of the RAM is converted packed-only
+
+
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file into a cached HF checkpoint directory (config, tokenizer, safetensors)."""
+    """Dequantize a GGUF file into a cached HF checkpoint directory (config, tokenizer, safetensors). A Llama-like
+    GGUF too large to dequantize in memory (an 8B model: ~32 GB of fp32 on the way) keeps only its small dense
+    tensors (norms, biases): its linears and embedding then run packed, from the GGUF itself."""
     out = converted_dir("gguf", gguf_path)
     if (out / "model.safetensors").exists():
         return out
@@ -139,24 +145,84 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    print(f"specserve: converting {gguf_path.name} once (dequantizing to {out}) ...", file=sys.stderr, flush=True)
+    packed_only = too_large_to_dequantize(gguf_path)
+    print(f"specserve: converting {gguf_path.name} once ({'its norms and biases only' if packed_only else 'dequantizing'}"
+          f" to {out}) ...", file=sys.stderr, flush=True)
     try:
         parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
         config_dict = dict(parsed["config"])
         config_dict.pop("quantization_config", None)
         config = AutoConfig.for_model(**config_dict)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        if packed_only:
+            tensors = small_dense_tensors(gguf_path, config)
+        else:
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
     staging = out.with_name(out.name + ".partial")
     staging.mkdir(parents=True, exist_ok=True)
+    if packed_only:
+        (staging / PACKED_ONLY).write_text("the linears and embedding run packed from the GGUF\n")
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
     staging.rename(out)
+    return out
+
+
+_GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_GGUF_BIASES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}
+
+
+def too_large_to_dequantize(gguf_path: Path) -> bool:
+    """Whether the GGUF's weights as fp32 (what transformers' reader makes of them) would not fit in
+    DENSE_RAM_SHARE of this machine's memory; only Llama-like files (whose tensors `small_dense_tensors` names)
+    are converted without them."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    elements = sum(int(t.n_elements) for t in reader.tensors)
+    return arch in ("llama", "qwen2", "mistral") and elements * 4 > DENSE_RAM_SHARE * total_memory_bytes()
+
+
+def total_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def small_dense_tensors(gguf_path: Path, config) -> dict[str, torch.Tensor]:
+    """A Llama-like GGUF's tensors that do not run packed, under their HF names: norms, q/k/v biases, and any
+    linear stored dense (F16/F32/BF16: the packer takes quantized blocks only)."""
+    from gguf import GGUFReader
+
+    out = {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        dense, linear = tensor.tensor_type.name in _GGUF_DENSE_TYPES, gguf_hf_name(tensor.name)
+        if not dense:
+            continue  # packed, read from the GGUF at load
+        values = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor.name)
+        part = match[2] if match else None
+        if linear is not None:
+            name = linear
+        elif tensor.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif match and match[3] == "weight" and part in _GGUF_SMALL:
+            name = f"model.layers.{match[1]}.{_GGUF_SMALL[part]}.weight"
+        elif match and match[3] == "bias" and part in _GGUF_BIASES:
+            name = f"model.layers.{match[1]}.self_attn.{_GGUF_BIASES[part]}.bias"
+        else:
+            continue  # e.g. rope_freqs: the config carries the rope scaling
+        if config.model_type == "llama" and part in ("attn_q", "attn_k"):  # llama.cpp's rope row order
+            heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+            values = values[torch.from_numpy(_llama_row_order(values.shape[0], heads))]
+        out[name] = values
     return out
 
 
@@ -382,6 +448,10 @@ def resolve_quantization(quantization: str | None, source: ModelSource, device: 
                              "use none, int8 or int4")
     if choice != "none" and not device.startswith("cpu"):
         raise ModelLoadError(f"quantized weights ({choice}) run on the CPU only; use quantization: none on {device}")
+    if choice != "gguf" and (source.directory / PACKED_ONLY).exists():
+        raise ModelLoadError(f"{source.name} is too large to dequantize in this machine's memory (its fp32 weights "
+                             f"would take over {DENSE_RAM_SHARE:.0%} of it): it runs on its GGUF blocks only "
+                             f"(quantization: gguf), not {choice}")
     return choice
 
 
