@@ -163,7 +163,7 @@ def readme_table(report: dict) -> str:
                      f"`ngram` {_ratio(retry, 'ngram')} `ar`.")
     if "server" in report:
         levels = report["server"]["levels"]
-        notes.append("- `specserve serve` (n-gram), concurrency " + " / ".join(levels) + ": "
+        notes.append("- `specserve serve` (n-gram), concurrency " + " / ".join(map(str, levels)) + ": "
                      + " / ".join(f"{v['tokens_per_s']:.1f}" for v in levels.values()) + " tok/s.")
     return "\n".join([caption, "", *lines, "", *notes, *([""] if notes else []),
                       f"![tokens/s by method](docs/results/{c['slug']}-speed.png)"])

@@ -60,3 +60,11 @@ def test_the_cpu_is_named_with_its_kernel_path(report_module):
     cpu = report_module.cpu()
     assert cpu["cores"] >= 1 and cpu["kernel_path"] in ("amx", "avx512-vnni", "avx2", "generic")
     assert cpu["slug"].endswith(cpu["kernel_path"])
+
+
+def test_the_server_line_reads_fresh_and_saved_levels(report_module):
+    # a fresh run keys the levels by int, a saved one (JSON) by str
+    for levels in ({1: {"tokens_per_s": 100.0}, 8: {"tokens_per_s": 180.0}},
+                   {"1": {"tokens_per_s": 100.0}, "8": {"tokens_per_s": 180.0}}):
+        table = report_module.readme_table({**REPORT, "server": {"levels": levels}})
+        assert "concurrency 1 / 8: 100.0 / 180.0 tok/s" in table
