@@ -102,6 +102,12 @@ class Acceptance:
         return expected_tokens(self.first.value, draft_len, self.further.value)
 
 
+def reproducible(seq: Sequence) -> bool:
+    """A request that asked for a seed: its speculation must not depend on other requests or on timing, so that
+    the same seed gives the same output."""
+    return seq.params.seed is not None
+
+
 class AcceptanceByEvidence:
     """Draft acceptance kept apart per the evidence the drafts rest on (`Proposal.evidence`): a 3-gram match is
     accepted far more often than a 1-gram one, and one estimate for both drafts too long after a 1-gram match and
@@ -262,7 +268,9 @@ class BatchEngine:
     def _add_row(self, seq: Sequence) -> int:
         """Give a request the next row of the batch (the cache grows to hold it); returns the row."""
         self.rows.append(seq)
-        self.acceptance[seq] = AcceptanceByEvidence(self.pooled_acceptance)
+        # a seeded request learns from its own drafts alone: draft lengths (and so the random numbers its
+        # verification draws) then do not depend on which requests ran before it
+        self.acceptance[seq] = AcceptanceByEvidence(None if reproducible(seq) else self.pooled_acceptance)
         self._fit_cache()
         return len(self.rows) - 1
 
@@ -297,7 +305,7 @@ class BatchEngine:
                         0.8 * self.draft_seconds_per_token + 0.2 * per_token
                 if self.gated and seq in self.gates:
                     self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
-                                            shares.get(id(proposal)))
+                                            None if reproducible(seq) else shares.get(id(proposal)))
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -387,8 +395,8 @@ class BatchEngine:
         self.cache.fit(len(self.rows), slots)
 
     def _gate(self, seq: Sequence) -> DraftGate:
-        if seq not in self.gates:
-            self.gates[seq] = DraftGate(self.gate_pool)
+        if seq not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
+            self.gates[seq] = DraftGate(GatePool() if reproducible(seq) else self.gate_pool)
         return self.gates[seq]
 
     @staticmethod

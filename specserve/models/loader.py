@@ -146,8 +146,8 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     packed_only = too_large_to_dequantize(gguf_path)
-    print(f"specserve: converting {gguf_path.name} once ({'its norms and biases only' if packed_only else 'dequantizing'}"
-          f" to {out}) ...", file=sys.stderr, flush=True)
+    what = "its norms and biases only" if packed_only else "dequantizing"
+    print(f"specserve: converting {gguf_path.name} once ({what} to {out}) ...", file=sys.stderr, flush=True)
     try:
         parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
         config_dict = dict(parsed["config"])
