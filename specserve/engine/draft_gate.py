@@ -68,9 +68,11 @@ class Arm:
         self.seconds = smoothed(self.seconds, step_seconds, decay)
 
     def cost(self, verify_seconds) -> float:
-        """Seconds per step: as measured, else drafting plus the table's price of verifying."""
-        if self.seconds is not None:
-            return self.seconds
+        """Seconds per step: as measured, else the table's price."""
+        return self.seconds if self.seconds is not None else self.table_cost(verify_seconds)
+
+    def table_cost(self, verify_seconds) -> float:
+        """Drafting plus the step-cost table's price of verifying this arm's draft tokens."""
         return (self.draft_seconds or 0.0) + verify_seconds(self.nodes)
 
     def copy(self) -> Arm:
@@ -104,9 +106,8 @@ class DraftGate:
         self.closed = False  # whether the last decision outside a probe was a cheap step
 
     def rate(self, arm: Arm, verify_seconds) -> float:
-        if self.full.seconds is None or self.cheap.seconds is None:  # compare like with like
-            return (arm.tokens or 1.0) / ((arm.draft_seconds or 0.0) + verify_seconds(arm.nodes))
-        return (arm.tokens or 1.0) / arm.cost(verify_seconds)
+        measured = self.full.seconds is not None and self.cheap.seconds is not None  # compare like with like
+        return (arm.tokens or 1.0) / (arm.cost(verify_seconds) if measured else arm.table_cost(verify_seconds))
 
     def pays(self, verify_seconds, margin: float = 1.0) -> bool:
         """Whether the full draft's tokens/s beat the cheap step's (by `margin`), by the estimates so far (True
