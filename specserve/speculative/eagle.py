@@ -303,12 +303,16 @@ class EagleHead(nn.Module):
             x = layer(x, embeds, cos.to(dtype), sin.to(dtype), cache, i, slots, mask)
         return x
 
-    def draft_logits(self, outputs: torch.Tensor, target_lm_head) -> torch.Tensor:
-        """Logits [T, V'] at the head's outputs: EAGLE-3 over its draft vocabulary, EAGLE-1 over the target's
+    def lm_inputs(self, outputs: torch.Tensor) -> torch.Tensor:
+        """What the draft logits read at the head's outputs: EAGLE-3's final norm of them, EAGLE-1's as they are."""
+        return self.norm(outputs) if self.kind == "eagle3" else outputs
+
+    def draft_logits(self, lm_inputs: torch.Tensor, target_lm_head) -> torch.Tensor:
+        """Logits [T, V'] of `lm_inputs(outputs)`: EAGLE-3 over its draft vocabulary, EAGLE-1 over the target's
         (through the target's lm_head, a callable)."""
         if self.kind == "eagle3":
-            return self.lm_head(self.norm(outputs)).float()
-        return target_lm_head(outputs).float()
+            return self.lm_head(lm_inputs).float()
+        return target_lm_head(lm_inputs).float()
 
 
 class HeadCache:

@@ -38,7 +38,9 @@ from specserve.engine.step_costs import target_verify_seconds
 from specserve.models.loader import LoadedModel
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
+from specserve.speculative import eagle_kernels
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
+from specserve.speculative.eagle_kernels import KernelHead
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
@@ -54,12 +56,13 @@ class EagleMethod(SpecMethod):
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
                  verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
-                 suffix: SuffixMethod | None = None):
+                 suffix: SuffixMethod | None = None, head_quantization: str = "int8"):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
         `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
-        prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead."""
+        prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead.
+        `head_quantization`: the head's weights on the kernels ("int8" or "none": bf16), eagle_kernels.py."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
         if lookup is not None:
@@ -81,6 +84,7 @@ class EagleMethod(SpecMethod):
         else:
             self.hidden_layers = (-1,)
             self.vocab_map = None
+        self.kernels = KernelHead(head, head_quantization) if eagle_kernels.usable(head) else None
 
     @property
     def budgets_itself(self) -> bool:
@@ -121,13 +125,26 @@ class EagleMethod(SpecMethod):
         table = head.embed_tokens if hasattr(head, "embed_tokens") else self.target.model.embed_tokens
         return table(tokens)  # the target's may be packed (QuantEmbedding): only these rows are dequantized
 
-    def log_probs(self, outputs: torch.Tensor) -> torch.Tensor:
-        """[T, V'] draft log-probabilities at the head's outputs (EAGLE-3: over the draft vocabulary)."""
-        fast = self.target.kernels_usable and outputs.shape[0] <= 64  # the lm_head kernel, when it runs here
-        return torch.log_softmax(self.head.draft_logits(outputs, lambda x: self.target.logits(x, fast)), dim=-1)
+    def run_head(self, features, embeds, positions, cache: HeadCache, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's outputs [T, h], their draft lm_head inputs) on the kernels where they run, else PyTorch."""
+        if self.kernels is not None:
+            return self.kernels.forward(features, embeds, positions, cache, slots, mask)
+        out = self.head(features, embeds, positions, cache, slots, mask)
+        return out, self.head.lm_inputs(out)
+
+    def log_probs(self, lm_inputs: torch.Tensor) -> torch.Tensor:
+        """[T, V'] draft log-probabilities of run_head's lm_head inputs (EAGLE-3: over the draft vocabulary)."""
+        fast = self.target.kernels_usable and lm_inputs.shape[0] <= 64  # the lm_head kernel, when it runs here
+        target_logits = lambda x: self.target.logits(x, fast)
+        drafter = self.kernels if self.kernels is not None else self.head
+        return torch.log_softmax(drafter.draft_logits(lm_inputs, target_logits), dim=-1)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.vocab_map is None else self.vocab_map[ids]
+
+
+# a drafted path the head gives less than this chance (calibrated) adds too few tokens to pay for its row
+MIN_PATH_PROBABILITY = 1e-3
 
 
 class Nodes:
@@ -199,7 +216,8 @@ class EagleProposer(Proposer):
         self.cache = HeadCache(method.head, head_capacity)
         self.stable = 0  # pairs whose keys/values are in the head cache
         self.features: list[torch.Tensor] = []  # target features of committed tokens not yet run
-        self.last_output: torch.Tensor | None = None
+        self.last_output: torch.Tensor | None = None  # the head's output at the last committed pair
+        self.last_lm_input: torch.Tensor | None = None  # and its draft lm_head input (the root's logits)
         self.budget = TreeBudget(method.verify_seconds, method.top_k, method.total_tokens, method.choices is not None)
         self.lookup = method.branch(params, capacity)
 
@@ -257,9 +275,9 @@ class EagleProposer(Proposer):
         positions = torch.arange(start, committed)
         embeds = self.m.embed(torch.tensor(tokens[start + 1: committed + 1]))
         mask = torch.ones(len(positions), committed, dtype=torch.bool).tril(diagonal=start)
-        out = self.m.head(features, embeds, positions, self.cache, positions, mask)
+        out, lm_inputs = self.m.run_head(features, embeds, positions, self.cache, positions, mask)
         self.stable = committed
-        self.last_output = out[-1]
+        self.last_output, self.last_lm_input = out[-1], lm_inputs[-1]
 
     def _run_level(self, nodes: Nodes, expand: list[int]) -> torch.Tensor:
         """Run the head on the nodes in `expand` (one depth); returns their draft log-probs [len(expand), V']."""
@@ -276,10 +294,10 @@ class EagleProposer(Proposer):
         positions = torch.tensor([self.stable - 1 + nodes.depths[n] for n in expand])
         features = torch.stack([nodes.outputs[nodes.parents[n]] for n in expand])
         embeds = self.m.embed(torch.tensor([nodes.tokens[n] for n in expand]))
-        out = self.m.head(features, embeds, positions, self.cache, slots, mask)
+        out, lm_inputs = self.m.run_head(features, embeds, positions, self.cache, slots, mask)
         for i, node in enumerate(expand):
             nodes.outputs[node] = out[i]
-        logp = self.m.log_probs(out)
+        logp = self.m.log_probs(lm_inputs)
         self.budget.time_level(time.perf_counter() - start)
         return logp
 
@@ -296,8 +314,15 @@ class EagleProposer(Proposer):
         top = torch.topk(logp, k, dim=-1)
         ids = self.m.to_target_ids(top.indices).tolist()
         values = top.values.tolist()
+        self.budget.observe_level([row[0] for row in values])
+        # a dynamic tree under measured costs drops paths too unlikely to pay for a verified row: most of a level's
+        # top-k children, whose nodes otherwise cost more Python (scoring, sorting) than the head's forward
+        floor = -math.inf
+        if self.m.choices is None and self.budget.verify_seconds is not None:
+            floor = math.log(MIN_PATH_PROBABILITY / self.budget.calibration)
         return [nodes.add(parent, ids[i][r], values[i][r], r)
-                for i, (parent, rs) in enumerate(zip(parents, ranks)) for r in rs]
+                for i, (parent, rs) in enumerate(zip(parents, ranks)) for r in rs
+                if nodes.scores[parent] + values[i][r] >= floor or r == 0]
 
     def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
         # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
@@ -306,7 +331,7 @@ class EagleProposer(Proposer):
     def _grow(self, root_token: int, max_len: int, chain: list[int], rate: float) -> Nodes:
         m = self.m
         nodes = Nodes(root_token, self.last_output)
-        root_logp = m.log_probs(self.last_output[None])[0]
+        root_logp = m.log_probs(self.last_lm_input[None])[0]
         if m.choices is not None:
             nodes = self._grow_static(nodes, root_logp, max_len)
             self._merge(nodes, chain, rate)
@@ -345,6 +370,7 @@ class EagleProposer(Proposer):
 
 # ---- configuration --------------------------------------------------------------------------------------------
 
+HEAD_QUANTIZATIONS = ("int8", "none")
 DYNAMIC_TREE_KEYS = frozenset({"top_k", "depth", "total_token", "max_non_leaves_per_layer", "dynamic_tree_max_topK",
                                "num_eagle_layers", "max_total_draft_tokens"})
 
@@ -364,9 +390,10 @@ class EagleOptions(MethodOptions):
     prompt_lookup_max: int = NGramOptions.prompt_lookup_max  # the branch drafts what prompt lookup alone would
     suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
     suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
+    quantization: str = "int8"  # the head's weights when it drafts on the CPU kernels: int8 or none (bf16)
     KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
         "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch", "suffix_branch",
-        "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to change here
+        "quantization", "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to do
     EXCLUSIVE: ClassVar[dict[str, str]] = {"prompt_lookup_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)",
                                            "suffix_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)"}
 
@@ -390,6 +417,12 @@ class EagleOptions(MethodOptions):
             out["layers"] = [int_at_least(layer, "eagle3_layers_to_capture", 1) for layer in layers]
         if "prompt_lookup_branch" in settings:
             out["lookup_branch"] = flag(settings["prompt_lookup_branch"], "prompt_lookup_branch")
+        if "quantization" in settings:  # vLLM's speculative_config key for the draft's weights
+            value = settings["quantization"] or "none"
+            if value not in HEAD_QUANTIZATIONS:
+                raise ConfigError(f"quantization {value!r} for an EAGLE head: use one of "
+                                  f"{', '.join(HEAD_QUANTIZATIONS)}")
+            out["quantization"] = value
         return out
 
     def check(self) -> None:
@@ -420,7 +453,8 @@ def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
         return EagleMethod(head, target.model, options.label, options.max_draft_len, top_k=options.top_k,
                            total_tokens=options.total_tokens,
                            choices=(options.choices or DEFAULT_CHOICES) if static else None, aux_layer_ids=aux,
-                           verify_seconds=verify_seconds, lookup=lookup, suffix=suffix)
+                           verify_seconds=verify_seconds, lookup=lookup, suffix=suffix,
+                           head_quantization=options.quantization)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot use EAGLE head {options.model}: {exc}") from None
 

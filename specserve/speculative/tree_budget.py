@@ -3,8 +3,9 @@
 A node's score is its path's cumulative draft log-probability, so exp(score) estimates the chance the target
 accepts the whole path. With the target's measured verify cost `verify_seconds(n)` the budget keeps the N best
 nodes that maximize (1 + c * sum of their path probabilities) / (verify cost of N + 1 tokens + drafting time), and
-drafts another level only while its best possible gain per second beats that rate; c calibrates the head's
-confidence against the acceptance it actually gets (accepted tokens / predicted, smoothed by a prior of 1 / 1).
+drafts another level only while its expected gain (the expanded nodes' best children) pays for the level's drafting
+and their verification at that rate; c calibrates the head's confidence against the acceptance it actually gets
+(accepted tokens / predicted, smoothed by a prior of 1 / 1).
 Without measured costs a dynamic tree keeps its `total_tokens` best nodes and a static tree all of them.
 """
 
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
-import torch
 
 
 class TreeBudget:
@@ -25,8 +24,9 @@ class TreeBudget:
         self.predicted, self.accepted = 1.0, 1.0
         self.pending_prediction: float | None = None  # the path probabilities of the tree under verification
         self.level_seconds: float | None = None  # drafting one level, smoothed
+        self.child_share = 0.5  # a node's best child's share of its path probability, smoothed (see observe_level)
         self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
-        self._verify_table: torch.Tensor | None = None  # verify_seconds(n) for n = 1, 2, ... (read every level)
+        self._verify_table: list[float] | None = None  # verify_seconds(n) for n = 1, 2, ... (read every level)
 
     @property
     def calibration(self) -> float:
@@ -52,26 +52,41 @@ class TreeBudget:
         limit = len(ranked) if self.static else min(len(ranked), self.total_tokens + nodes.looked_up)
         if self.verify_seconds is None:
             return ranked[:limit], 0.0
-        probs = torch.tensor([nodes.scores[n] for n in ranked[:limit]]).exp()
-        expected = 1.0 + self.calibration * torch.cat([torch.zeros(1), probs.cumsum(0)])
+        # plain Python: a tree has tens of nodes, where each tensor op would cost more than the whole loop
         drafting = (self.level_seconds or 0.0) * max(len(nodes.slots), 1) / max(self.top_k, 1)
-        seconds = self.verify_table(limit + 1) + drafting
-        best = int((expected / seconds).argmax())
-        return ranked[:best], float(expected[best] / seconds[best])
+        seconds = self.verify_table(limit + 1)
+        expected, best, best_rate = 1.0, 0, 1.0 / (seconds[0] + drafting)
+        for count, node in enumerate(ranked[:limit], start=1):
+            expected += self.calibration * math.exp(nodes.scores[node])
+            rate = expected / (seconds[count] + drafting)
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return ranked[:best], best_rate
 
-    def verify_table(self, count: int) -> torch.Tensor:
+    def verify_table(self, count: int) -> list[float]:
         """[verify_seconds(1), ..., verify_seconds(count)], computed once per budget and extended as needed."""
         if self._verify_table is None or len(self._verify_table) < count:
             size = max(count, 2 * len(self._verify_table) if self._verify_table is not None else 65)
-            self._verify_table = torch.tensor([self.verify_seconds(n) for n in range(1, size + 1)])
+            self._verify_table = [self.verify_seconds(n) for n in range(1, size + 1)]
         return self._verify_table[:count]
 
+    def observe_level(self, top_logps: list[float]) -> None:
+        """The top child's draft log-probability under each node a level expanded."""
+        if top_logps:
+            share = sum(math.exp(logp) for logp in top_logps) / len(top_logps)
+            self.child_share = 0.8 * self.child_share + 0.2 * share
+
     def worth_another_level(self, nodes, expand: list[int]) -> bool:
+        """Whether drafting a level below `expand` raises the step's expected tokens/s: its expected gain (each
+        expanded node's best child, at the head's measured top-child share of its path probability) against what
+        the level costs, its drafting and the verification of one more node per expanded one, at the tree's rate."""
         if self.verify_seconds is None or self.level_seconds is None:
             return True
-        _, rate = self.best(nodes)
-        gain = self.calibration * sum(math.exp(nodes.scores[n]) for n in expand)
-        return gain / self.level_seconds > rate
+        keep, rate = self.best(nodes)
+        gain = self.calibration * self.child_share * sum(math.exp(nodes.scores[n]) for n in expand)
+        table = self.verify_table(len(keep) + len(expand) + 1)
+        more_verify = table[-1] - table[len(keep)]
+        return gain > rate * (self.level_seconds + more_verify)
 
     def select(self, nodes) -> list[int]:
         """The nodes to verify: all of a static tree, or (with measured costs) the budget's best closed subtree."""

@@ -16,8 +16,10 @@ from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, Specul
                               load_model_yaml)
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
-from specserve.speculative.eagle_draft import EagleMethod, EagleProposer, Nodes
+from specserve.models.loader import load_model
+from specserve.speculative.eagle import EagleHead, HeadCache, load_eagle, new_eagle_head, save_eagle
+from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer, Nodes
+from specserve.speculative.eagle_kernels import KernelHead
 from specserve.speculative.lookup_branch import LookupBranch
 from specserve.speculative.registry import label, parse_method
 from specserve.speculative.tree_budget import TreeBudget
@@ -455,3 +457,86 @@ def test_target_cache_after_many_tree_steps_equals_plain_prefill(stories):
         for ours, plain in ((cache.keys[layer], fresh.keys[layer]), (cache.values[layer], fresh.values[layer])):
             torch.testing.assert_close(ours[0, :, : len(committed)], plain[0, :, : len(committed)],
                                        atol=1e-5, rtol=1e-4)
+
+
+# ---- drafting on the CPU kernels -------------------------------------------------------------------------------
+
+def bf16_head(spec, kind: str, layers: int = 1) -> EagleHead:
+    head = new_eagle_head(spec, kind, torch.arange(0, spec.vocab_size, 2) if kind == "eagle3" else None, seed=1,
+                          std=0.2)
+    if kind == "eagle":  # EAGLE-1's several layers (the first without an input norm) and fc bias
+        head.config.num_layers, head.config.fc_bias = layers, True
+        fresh = EagleHead(head.config)
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, param in fresh.named_parameters():
+                if not name.endswith("norm.weight"):
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+        head = fresh
+    return head.to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("quantization,tolerance", [("none", 0.02), ("int8", 0.05)])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_kernel_head_computes_what_the_pytorch_head_does(loaded, kind, quantization, tolerance):
+    """The kernels' head forward over committed pairs and then a tree level: the PyTorch head's outputs, draft
+    lm_head inputs and cache entries, to bf16 rounding with bf16 weights and to their rounding with int8."""
+    spec = loaded("llama").model.spec
+    head = bf16_head(spec, kind, layers=2)
+    kernels = KernelHead(head, quantization)
+    width = 3 * spec.hidden_size if kind == "eagle3" else spec.hidden_size
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(6, width, generator=generator).bfloat16()
+    embeds = torch.randn(9, spec.hidden_size, generator=generator).bfloat16()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and its two children
+    level_mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree], dim=1)
+    results = []
+    with torch.no_grad():  # inference, as drafting runs
+        for run in (lambda *a: (lambda out: (out, head.lm_inputs(out)))(head(*a)), kernels.forward):
+            cache = HeadCache(head, 12)
+            positions = torch.arange(6)
+            causal = torch.ones(6, 6, dtype=torch.bool).tril()
+            out, _ = run(features, embeds[:6], positions, cache, positions, causal)
+            level, lm_inputs = run(out[-3:].contiguous(), embeds[6:], torch.tensor([6, 7, 7]), cache,
+                                   torch.arange(6, 9), level_mask)
+            results.append((level.float(), lm_inputs.float(), cache.keys[-1][:, :9].float()))
+    for want, got in zip(*results):
+        assert (got - want).norm() <= tolerance * want.norm()
+    logits = kernels.draft_logits(results[1][1].bfloat16(), lambda x: x.float() @ torch.randn(x.shape[-1], 5))
+    assert logits.dtype == torch.float32 and logits.shape[0] == 3
+
+
+@pytest.mark.parametrize("method,knobs", [("eagle", {"eagle_choices": SMALL_CHOICES}),
+                                          ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16}),
+                                          ("eagle3", {"quantization": "none"})])
+def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint, tmp_path, method, knobs):
+    target = load_model(checkpoint("llama"), dtype=torch.bfloat16)
+    head = save_random(target, "eagle3" if method == "eagle3" else "eagle", tmp_path / "head")
+    engine = engine_for(target, method, head, 3, **knobs)
+    assert engine.method.kernels is not None
+    params = SamplingParams(max_tokens=24)
+    drafted = 0
+    for prompt in PROMPTS:
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, (method, prompt)
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
+
+
+def test_head_quantization_setting():
+    assert EagleOptions.read({"quantization": "int8"})["quantization"] == "int8"
+    assert EagleOptions.read({"quantization": None})["quantization"] == "none"
+    with pytest.raises(ConfigError, match="quantization 'fp8'"):
+        EagleOptions.read({"quantization": "fp8"})
+
+
+@pytest.mark.parametrize("per_token,drafts_on", [(0.004, False), (0.0, True)])
+def test_another_level_pays_for_its_verification(per_token, drafts_on):
+    """A level is worth drafting only where its expected gain pays for its drafting and for verifying its nodes: a
+    steep verify cost (a CPU) stops a level that flat costs (a GPU) take, at the same gain and drafting time."""
+    budget = TreeBudget(lambda n: 0.010 + per_token * (n - 1), top_k=8, total_tokens=16, static=False)
+    budget.time_level(0.001)
+    nodes = Nodes(0, None)
+    child = nodes.add(0, 5, math.log(0.6), 0)
+    assert budget.best(nodes)[0] == [child]
+    assert budget.worth_another_level(nodes, [child]) is drafts_on
