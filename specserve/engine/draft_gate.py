@@ -23,7 +23,7 @@ request does not relearn a bad head.
 
 A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
 cheap steps it drafts two steps in full; a probe that loses doubles the backoff (up to MAX_BACKOFF), one that wins
-by REOPEN_MARGIN reopens the gate (an open gate stays open while the full draft merely wins). A head that never
+by REOPEN_MARGIN reopens the gate and halves the backoff (an open gate stays open while the full draft merely wins). A head that never
 pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two full steps cost more than
 PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count of skipped steps carries
 over from request to request through the pool). Drafting seconds are learnt only from a step that follows a
@@ -160,7 +160,10 @@ class DraftGate:
         if self.probe_steps:
             return
         if self.pays(verify_seconds, self.reopen_margin()):
-            self.backoff, self.closed = 1, False
+            if probing:  # halved, not reset: a head near break-even reopens on a lucky probe, loses again, and
+                # with a reset backoff probed every 1, 2, 4, ... steps at a loss before its wait was long again
+                self.backoff = max(self.backoff // 2, 1)
+            self.closed = False
         elif probing:
             self.backoff = min(2 * self.backoff, self.longest_backoff(verify_seconds))
         self.pool.backoff = self.backoff

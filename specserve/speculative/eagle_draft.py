@@ -317,12 +317,16 @@ class EagleProposer(Proposer):
         self.budget.observe_level([row[0] for row in values])
         # a dynamic tree under measured costs drops paths too unlikely to pay for a verified row: most of a level's
         # top-k children, whose nodes otherwise cost more Python (scoring, sorting) than the head's forward
-        floor = -math.inf
-        if self.m.choices is None and self.budget.verify_seconds is not None:
-            floor = math.log(MIN_PATH_PROBABILITY / self.budget.calibration)
+        floor = self._path_floor() if self.m.choices is None else -math.inf
         return [nodes.add(parent, ids[i][r], values[i][r], r)
                 for i, (parent, rs) in enumerate(zip(parents, ranks)) for r in rs
                 if nodes.scores[parent] + values[i][r] >= floor or r == 0]
+
+    def _path_floor(self) -> float:
+        """The lowest path score worth drafting below: MIN_PATH_PROBABILITY once calibrated, under measured costs."""
+        if self.budget.verify_seconds is None:
+            return -math.inf
+        return math.log(MIN_PATH_PROBABILITY / self.budget.calibration)
 
     def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
         # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
@@ -359,7 +363,11 @@ class EagleProposer(Proposer):
         depth = 1
         while True:
             expand = [n for p, n in by_path.items() if len(p) == depth and p in children]
-            if not expand:
+            # under measured costs, only the part that can pay is drafted: a 63-node tree whose EAGLE-1 levels run
+            # the target's 262k-token lm_head over every expanded node cost ~135 ms a step to draft whole
+            expand = [n for n in expand if nodes.scores[n] >= self._path_floor()]
+            if not expand or (self.budget.verify_seconds is not None
+                              and not self.budget.worth_another_level(nodes, expand)):
                 return nodes
             logp = self._run_level(nodes, expand)
             for i, node in enumerate(expand):

@@ -119,3 +119,19 @@ def test_an_open_gate_stays_open_on_a_small_win_and_a_closed_one_needs_a_clear_o
     assert sum(later) < 20  # probes only: 5% is within a two-step probe's noise
     much_better = run_measured(closed, 200, accepted=2, full_seconds=0.019, cheap_seconds=0.010)
     assert sum(much_better[-100:]) == 100  # 3 tokens in 19 ms: a clear win reopens it
+
+
+def test_a_lucky_probe_halves_the_wait_instead_of_resetting_it():
+    """A head near break-even: one probe wins (2 tokens), then drafts lose again. The wait before the next probe
+    is half the long one it had, not one step."""
+    gate = DraftGate(GatePool())
+    run(gate, 300, accepted=0)
+    long_wait = gate.backoff
+    assert long_wait >= 32
+    while not run(gate, 1, accepted=4)[0]:  # cheap steps up to the probe, whose drafts win
+        pass
+    run(gate, PROBE_STEPS - 1, accepted=4)
+    assert not gate.closed and gate.backoff == long_wait // 2
+    drafted = run(gate, 3 * long_wait, accepted=0)
+    starts = [i for i, d in enumerate(drafted[1:], start=1) if d and not drafted[i - 1]]
+    assert starts and starts[0] > long_wait // 2  # the next probe waits the halved backoff, not 1, 2, 4, ...
