@@ -23,13 +23,12 @@ request does not relearn a bad head.
 
 A gate that stops drafting learns nothing more about the full draft, so while closed it probes: after `backoff`
 cheap steps it drafts two steps in full; a probe that loses doubles the backoff (up to MAX_BACKOFF), one that wins
-by REOPEN_MARGIN reopens the gate and halves the backoff (an open gate stays open while the full draft merely wins). A head that never
-pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two full steps cost more than
-PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count of skipped steps carries
-over from request to request through the pool). Drafting seconds are learnt only from a step that follows a
-drafted step (hence probes of two): the first one after skipped steps also catches the head up on the tokens it
-skipped (a one-off, like a prefill), which a steady step does not pay. Until one steady step is measured the gate
-stays open.
+by REOPEN_MARGIN reopens the gate and halves the backoff (an open gate stays open while the full draft merely wins).
+A head that never pays therefore costs two drafted steps in MAX_BACKOFF at most, and where two full steps cost more
+than PROBE_SHARE of MAX_BACKOFF cheap ones, the backoff grows until they do not (the count of skipped steps carries
+over from request to request through the pool). Drafting seconds are learnt only from a step that follows a drafted
+step (hence probes of two): the first one after skipped steps also catches the head up on the tokens it skipped (a
+one-off, like a prefill), which a steady step does not pay. Until one steady step is measured the gate stays open.
 
 Both kinds of step verify with the same verifier, so the gate changes speed only, never the output.
 """

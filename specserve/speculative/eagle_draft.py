@@ -36,11 +36,10 @@ import torch
 from specserve.checks import ConfigError, flag, int_at_least
 from specserve.engine.step_costs import target_verify_seconds
 from specserve.models.loader import LoadedModel
+from specserve.speculative import eagle_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
-from specserve.speculative import eagle_kernels
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
-from specserve.speculative.eagle_kernels import KernelHead
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
@@ -84,7 +83,7 @@ class EagleMethod(SpecMethod):
         else:
             self.hidden_layers = (-1,)
             self.vocab_map = None
-        self.kernels = KernelHead(head, head_quantization) if eagle_kernels.usable(head) else None
+        self.kernels = eagle_kernels.KernelHead(head, head_quantization) if eagle_kernels.usable(head) else None
 
     @property
     def budgets_itself(self) -> bool:
@@ -125,7 +124,7 @@ class EagleMethod(SpecMethod):
         table = head.embed_tokens if hasattr(head, "embed_tokens") else self.target.model.embed_tokens
         return table(tokens)  # the target's may be packed (QuantEmbedding): only these rows are dequantized
 
-    def run_head(self, features, embeds, positions, cache: HeadCache, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_head(self, features, embeds, positions, cache: HeadCache, slots, mask) -> tuple[torch.Tensor, ...]:
         """(the head's outputs [T, h], their draft lm_head inputs) on the kernels where they run, else PyTorch."""
         if self.kernels is not None:
             return self.kernels.forward(features, embeds, positions, cache, slots, mask)
@@ -365,7 +364,8 @@ class EagleProposer(Proposer):
             expand = [n for p, n in by_path.items() if len(p) == depth and p in children]
             # under measured costs, only the part that can pay is drafted: a 63-node tree whose EAGLE-1 levels run
             # the target's 262k-token lm_head over every expanded node cost ~135 ms a step to draft whole
-            expand = [n for n in expand if nodes.scores[n] >= self._path_floor()]
+            floor = self._path_floor()
+            expand = [n for n in expand if nodes.scores[n] >= floor]
             if not expand or (self.budget.verify_seconds is not None
                               and not self.budget.worth_another_level(nodes, expand)):
                 return nodes

@@ -31,8 +31,8 @@ from specserve.speculative.eagle import EagleHead, HeadCache
 
 
 def usable(head: EagleHead) -> bool:
-    """Whether this head can draft on the kernels: bf16 weights on a CPU that runs them, heads of 16k dimensions
-    (the attention kernel's)."""
+    """Whether this head can draft on the kernels: bf16 weights on a CPU that runs them, and a head dimension the
+    attention kernel takes (a multiple of 16)."""
     weight = head.fc.weight
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and head.config.head_dim % 16 == 0
             and cpu_kernels.available())
@@ -119,7 +119,8 @@ class KernelHead:
 
     def draft_logits(self, lm_inputs: torch.Tensor, target_logits) -> torch.Tensor:
         """fp32 logits [T, V'] of forward's lm_head inputs (EAGLE-1: through the target's lm_head, a callable)."""
-        if self.kind == "eagle3":
-            return self.lm_head(lm_inputs, out_fp32=True) if isinstance(self.lm_head, QuantLinear) \
-                else self.lm_head(lm_inputs).float()
-        return target_logits(lm_inputs).float()
+        if self.kind != "eagle3":
+            return target_logits(lm_inputs).float()
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(lm_inputs, out_fp32=True)
+        return self.lm_head(lm_inputs).float()
