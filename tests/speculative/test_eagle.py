@@ -540,3 +540,14 @@ def test_another_level_pays_for_its_verification(per_token, drafts_on):
     child = nodes.add(0, 5, math.log(0.6), 0)
     assert budget.best(nodes)[0] == [child]
     assert budget.worth_another_level(nodes, [child]) is drafts_on
+
+
+def test_sampling_keeps_target_distribution_drafting_on_the_kernels(checkpoint, tmp_path):
+    target = load_model(checkpoint("llama"), dtype=torch.bfloat16)
+    head = save_random(target, "eagle3", tmp_path / "head")
+    engine = engine_for(target, "eagle3", head, 2, top_k=2, max_total_draft_tokens=4)
+    assert engine.method.kernels is not None
+    prompt_ids = engine.encode(PROMPTS[1])
+    params = SamplingParams(temperature=3.0, top_k=2, max_tokens=3, ignore_eos=True)
+    counts = seeded_outputs(engine, prompt_ids, params, 2000)
+    assert follows(counts, exact_joint(target, prompt_ids, params, 3))
