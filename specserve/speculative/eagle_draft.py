@@ -315,7 +315,8 @@ class EagleProposer(Proposer):
         values = top.values.tolist()
         self.budget.observe_level([row[0] for row in values])
         # a dynamic tree under measured costs drops paths too unlikely to pay for a verified row: most of a level's
-        # top-k children, whose nodes otherwise cost more Python (scoring, sorting) than the head's forward
+        # top-k children, whose nodes otherwise cost more Python (scoring, sorting) than the head's forward. Each
+        # parent keeps its best child, so even a flat head's tree has nodes to verify and calibrate against
         floor = self._path_floor() if self.m.choices is None else -math.inf
         return [nodes.add(parent, ids[i][r], values[i][r], r)
                 for i, (parent, rs) in enumerate(zip(parents, ranks)) for r in rs
@@ -366,8 +367,7 @@ class EagleProposer(Proposer):
             # the target's 262k-token lm_head over every expanded node cost ~135 ms a step to draft whole
             floor = self._path_floor()
             expand = [n for n in expand if nodes.scores[n] >= floor]
-            if not expand or (self.budget.verify_seconds is not None
-                              and not self.budget.worth_another_level(nodes, expand)):
+            if not expand or not self.budget.worth_another_level(nodes, expand):
                 return nodes
             logp = self._run_level(nodes, expand)
             for i, node in enumerate(expand):
