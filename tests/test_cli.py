@@ -150,6 +150,25 @@ def test_bench_llamacpp_methods_say_what_they_need(checkpoint):
         run_bench(DeploymentConfig(ModelConfig(checkpoint("llama"))), target, ["def f():"], ["ar", "llamacpp"], 4)
 
 
+def test_bench_methods_take_turns_prompt_by_prompt(checkpoint, monkeypatch):
+    """Every method answers a prompt before the next prompt starts, so a drift in the machine's speed during a run
+    moves every method alike."""
+    from specserve.bench import offline
+    from specserve.config import DeploymentConfig, ModelConfig
+    from specserve.models.loader import load_model
+
+    calls = []
+    step = offline.EngineRunner.step
+    monkeypatch.setattr(offline.EngineRunner, "step", lambda self, prompt: (calls.append((id(self), prompt)),
+                                                                          step(self, prompt)))
+    target = load_model(checkpoint("llama"), dtype=torch.float32)
+    prompts = ["def f(x):", "Once upon a time", "a b a b a b"]
+    results = offline.run_bench(DeploymentConfig(ModelConfig(checkpoint("llama"))), target, prompts, ["ar", "ngram"], 8)
+    assert [prompt for _, prompt in calls] == [p for p in prompts for _ in range(2)]
+    assert len({runner for runner, _ in calls[:2]}) == 2 and calls[0][0] == calls[2][0]
+    assert results["ngram"]["outputs_equal_ar"] and results["ngram"]["total_output_tokens"] > 0
+
+
 def test_roofline_counts_the_weights_a_step_reads(checkpoint):
     from specserve.bench.offline import roofline, streamed_weight_bytes
     from specserve.models.loader import load_model

@@ -1,9 +1,10 @@
 """Offline benchmark: every method, plain decoding and HF transformers on the same prompts, in one run.
 
 Concurrency 1, greedy. Each method first runs the first prompt in full, untimed (one-time costs such as kernel
-compilation, cost tables and caches land there and are reported apart as `warmup_s`), then every prompt once;
-tokens/s is total output tokens over total wall time, so ratios between methods are side by side on the same
-machine, prompts and token ids. `llamacpp` / `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the
+compilation, cost tables and caches land there and are reported apart as `warmup_s`), then every prompt once, the
+methods taking turns prompt by prompt (every method answers a prompt before the next prompt starts), so a drift in
+the machine's speed during the run moves every method alike; tokens/s is total output tokens over total wall time,
+so ratios between methods are side by side on the same machine, prompts and token ids. `llamacpp` / `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the
 same GGUF, through llama-cpp-python when it is installed) take the very token ids specserve's tokenizer makes.
 """
 
@@ -84,29 +85,38 @@ def warm_up(generate: Callable, prompt: str, max_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def run_timed(generate: Callable[[str, int], tuple[list[int], float]], prompts: list[str], max_tokens: int,
-              name: str) -> MethodRun:
-    """A peer's generate(prompt, new_tokens) -> (token ids, seconds) over the prompts, after the warm-up."""
-    run = MethodRun(warmup_s=warm_up(generate, prompts[0], max_tokens))
-    for prompt in tqdm(prompts, desc=name, leave=False):
-        tokens, seconds = generate(prompt, max_tokens)
-        run.outputs.append(tokens)
-        run.output_tokens += len(tokens)
-        run.seconds += seconds
-    return run
+class TimedRunner:
+    """A peer's generate(prompt, new_tokens) -> (token ids, seconds), one prompt per `step` after its warm-up."""
+
+    def __init__(self, generate: Callable[[str, int], tuple[list[int], float]], first_prompt: str, max_tokens: int):
+        self.generate, self.max_tokens = generate, max_tokens
+        self.run = MethodRun(warmup_s=warm_up(generate, first_prompt, max_tokens))
+
+    def step(self, prompt: str) -> None:
+        tokens, seconds = self.generate(prompt, self.max_tokens)
+        self.run.outputs.append(tokens)
+        self.run.output_tokens += len(tokens)
+        self.run.seconds += seconds
+
+    def finish(self) -> MethodRun:
+        return self.run
 
 
-def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) -> MethodRun:
-    """The prompts in order through one engine, so a method that learns across requests (suffix) drafts each from
-    the ones before it, and the draft-length choice starts each from the acceptance of those before it; what both
-    learnt from the warm-up is forgotten first (the warm-up's prompt is the first timed one)."""
-    params = SamplingParams(max_tokens=max_tokens)
-    run = MethodRun(warmup_s=warm_up(lambda p, n: engine.generate(p, SamplingParams(max_tokens=n)), prompts[0],
-                                     max_tokens))
-    engine.forget_requests()
-    for prompt in tqdm(prompts, desc=name, leave=False):
-        result = engine.generate(prompt, params)
-        m = result.metrics
+class EngineRunner:
+    """One engine's requests, one prompt per `step`, in the order given, so a method that learns across requests
+    (suffix) drafts each from the ones before it, and the draft-length choice starts each from the acceptance of
+    those before it; what both learnt from the warm-up is forgotten first (the warm-up's prompt is the first timed
+    one)."""
+
+    def __init__(self, engine, first_prompt: str, max_tokens: int):
+        self.engine, self.params = engine, SamplingParams(max_tokens=max_tokens)
+        self.run = MethodRun(warmup_s=warm_up(lambda p, n: engine.generate(p, SamplingParams(max_tokens=n)),
+                                              first_prompt, max_tokens))
+        engine.forget_requests()
+
+    def step(self, prompt: str) -> None:
+        result = self.engine.generate(prompt, self.params)
+        m, run = result.metrics, self.run
         run.outputs.append(result.token_ids)
         run.output_tokens += m.output_tokens
         run.seconds += m.total_time_s
@@ -115,12 +125,22 @@ def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) ->
         run.accepted += m.total_accepted_draft_tokens
         run.draft_seconds += m.draft_time_s
         run.ttft.append(m.time_to_first_token_s)
-    run.method_state = engine.method.stats() if engine.method is not None else {}
-    return run
+
+    def finish(self) -> MethodRun:
+        self.run.method_state = self.engine.method.stats() if self.engine.method is not None else {}
+        return self.run
 
 
-def run_hf_method(target: LoadedModel, prompts: list[str], max_tokens: int, name: str,
-                  prompt_lookup: int) -> MethodRun:
+def run_engine_method(engine, prompts: list[str], max_tokens: int, name: str) -> MethodRun:
+    """The prompts in order through one engine alone (EngineRunner)."""
+    runner = EngineRunner(engine, prompts[0], max_tokens)
+    for prompt in tqdm(prompts, desc=name, leave=False):
+        runner.step(prompt)
+    return runner.finish()
+
+
+def hf_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str,
+              prompt_lookup: int) -> TimedRunner:
     """transformers' generate() on the same checkpoint and dtype (hf-pld: its prompt lookup decoding)."""
     from transformers import AutoModelForCausalLM
 
@@ -137,11 +157,11 @@ def run_hf_method(target: LoadedModel, prompts: list[str], max_tokens: int, name
                                  pad_token_id=tokenizer.pad_token_id or 0, **extra)
         return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 
-    return run_timed(generate, prompts, max_tokens, name)
+    return TimedRunner(generate, first_prompt, max_tokens)
 
 
-def run_llamacpp_method(target: LoadedModel, gguf: Path | None, prompts: list[str], max_tokens: int, name: str,
-                        prompt_lookup: int) -> MethodRun:
+def llamacpp_runner(target: LoadedModel, gguf: Path | None, first_prompt: str, max_tokens: int, name: str,
+                    prompt_lookup: int) -> TimedRunner:
     """llama.cpp (llama-cpp-python) on the same GGUF file and the same prompt token ids, greedy, all cores;
     llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end with the stop token,
     as specserve's do."""
@@ -166,7 +186,7 @@ def run_llamacpp_method(target: LoadedModel, gguf: Path | None, prompts: list[st
                 break
         return tokens, time.perf_counter() - start
 
-    return run_timed(generate, prompts, max_tokens, name)
+    return TimedRunner(generate, first_prompt, max_tokens)
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -188,21 +208,24 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
               max_tokens: int, heads: dict[str, str] | None = None) -> dict:
     """`heads`: method -> its head directory (or draft model), else that of the method without its '+' suffix,
     else `base.speculative.model`."""
-    runs: dict[str, MethodRun] = {}
+    runners: dict[str, TimedRunner | EngineRunner] = {}
     heads = heads or {}
     for name in methods:
         draft_len = base.speculative.draft_len
         if name in HF_METHODS:
-            runs[name] = run_hf_method(target, prompts, max_tokens, name, draft_len)
-            continue
-        if name in LLAMACPP_METHODS:
-            runs[name] = run_llamacpp_method(target, resolve_model_source(base.model.source).gguf, prompts,
-                                             max_tokens, name, draft_len)
-            continue
-        spec = base.speculative.with_method(name)
-        spec.model = heads.get(name, heads.get(spec.method, base.speculative.model))
-        engine = build_engine(replace(base, speculative=spec), target)
-        runs[name] = run_engine_method(engine, prompts, max_tokens, name)
+            runners[name] = hf_runner(target, prompts[0], max_tokens, name, draft_len)
+        elif name in LLAMACPP_METHODS:
+            runners[name] = llamacpp_runner(target, resolve_model_source(base.model.source).gguf, prompts[0],
+                                            max_tokens, name, draft_len)
+        else:
+            spec = base.speculative.with_method(name)
+            spec.model = heads.get(name, heads.get(spec.method, base.speculative.model))
+            engine = build_engine(replace(base, speculative=spec), target)
+            runners[name] = EngineRunner(engine, prompts[0], max_tokens)
+    for prompt in tqdm(prompts, desc=",".join(methods), leave=False):
+        for runner in runners.values():
+            runner.step(prompt)
+    runs = {name: runner.finish() for name, runner in runners.items()}
     ar = runs.get(PLAIN)
     return {name: run.summary(ar if name != PLAIN else None) | ({"speedup_vs_ar": 1.0} if name == PLAIN else {})
             for name, run in runs.items()}
