@@ -407,8 +407,8 @@ def train_command(
     grad_accum: int = typer.Option(1),
     seq_len: int = typer.Option(256),
     ttt_steps: int = typer.Option(3, help="EAGLE: drafting steps simulated in training (training-time test)."),
-    draft_vocab_size: int = typer.Option(16384, help="EAGLE-3, Medusa, draft: the draft vocabulary (the most "
-                                                     "frequent tokens in the data)."),
+    draft_vocab_size: int = typer.Option(16384, help="The draft vocabulary (the most frequent tokens in the "
+                                                     "data); EAGLE-1 scores its drafts over it at inference."),
     medusa_heads: int = typer.Option(4),
     vocab_rows_only: bool = typer.Option(False, help="medusa: write only the draft vocabulary's rows of each "
                                                      "lm_head (compact; other Medusa tools read only the full "

@@ -45,6 +45,7 @@ from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.tree_budget import TreeBudget
+from specserve.speculative.weights import read_draft_vocab
 
 
 class EagleMethod(SpecMethod):
@@ -55,13 +56,16 @@ class EagleMethod(SpecMethod):
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
                  verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
-                 suffix: SuffixMethod | None = None, head_quantization: str = "int8"):
+                 suffix: SuffixMethod | None = None, head_quantization: str = "int8",
+                 draft_vocab: torch.Tensor | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
         `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
         prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead.
-        `head_quantization`: the head's weights on the kernels ("int8" or "none": bf16), eagle_kernels.py."""
+        `head_quantization`: the head's weights on the kernels ("int8" or "none": bf16), eagle_kernels.py.
+        `draft_vocab` (EAGLE-1, the head's draft_vocab.json): the target ids its drafts are scored over, through
+        those rows of the target's lm_head, instead of the whole vocabulary."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
         if lookup is not None:
@@ -84,6 +88,11 @@ class EagleMethod(SpecMethod):
             self.hidden_layers = (-1,)
             self.vocab_map = None
         self.kernels = eagle_kernels.KernelHead(head, head_quantization) if eagle_kernels.usable(head) else None
+        self.vocab_rows = None  # EAGLE-1's lm_head over its draft vocabulary: those rows of the target's
+        if head.kind != "eagle3" and draft_vocab is not None:
+            self.vocab_map = draft_vocab.sort().values
+            self.vocab_rows = eagle_kernels.target_rows(target_model, self.vocab_map,
+                                                        head_quantization if self.kernels is not None else "none")
 
     @property
     def budgets_itself(self) -> bool:
@@ -134,7 +143,7 @@ class EagleMethod(SpecMethod):
     def log_probs(self, lm_inputs: torch.Tensor) -> torch.Tensor:
         """[T, V'] draft log-probabilities of run_head's lm_head inputs (EAGLE-3: over the draft vocabulary)."""
         fast = self.target.kernels_usable and lm_inputs.shape[0] <= 64  # the lm_head kernel, when it runs here
-        target_logits = lambda x: self.target.logits(x, fast)
+        target_logits = self.vocab_rows if self.vocab_rows is not None else lambda x: self.target.logits(x, fast)
         drafter = self.kernels if self.kernels is not None else self.head
         return torch.log_softmax(drafter.draft_logits(lm_inputs, target_logits), dim=-1)
 
@@ -458,11 +467,12 @@ def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
         verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
         lookup = (options.prompt_lookup_min, options.prompt_lookup_max) if options.lookup_branch else None
         suffix = SUFFIX.build(SuffixOptions(**options.suffix), target) if options.suffix_branch else None
+        draft_vocab = read_draft_vocab(Path(options.model), spec.vocab_size) if head.kind == "eagle" else None
         return EagleMethod(head, target.model, options.label, options.max_draft_len, top_k=options.top_k,
                            total_tokens=options.total_tokens,
                            choices=(options.choices or DEFAULT_CHOICES) if static else None, aux_layer_ids=aux,
                            verify_seconds=verify_seconds, lookup=lookup, suffix=suffix,
-                           head_quantization=options.quantization)
+                           head_quantization=options.quantization, draft_vocab=draft_vocab)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot use EAGLE head {options.model}: {exc}") from None
 

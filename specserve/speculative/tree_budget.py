@@ -27,6 +27,7 @@ class TreeBudget:
         self.child_share = 0.5  # a node's best child's share of its path probability, smoothed (see observe_level)
         self.head_rate: float | None = None  # expected tokens/s of the last step the head drafted (with lookup)
         self._verify_table: list[float] | None = None  # verify_seconds(n) for n = 1, 2, ... (read every level)
+        self._ranking: tuple | None = None  # (nodes, their state, best's answer): the last level check's, reused
 
     @property
     def calibration(self) -> float:
@@ -48,6 +49,13 @@ class TreeBudget:
 
     def best(self, nodes) -> tuple[list[int], float]:
         """The best nodes to verify and the expected tokens per second of verifying them."""
+        # the level check that ends a step ranks the tree select then ranks again: the same state, one ranking
+        state = (tuple(nodes.scores), len(nodes.slots), nodes.looked_up, self.level_seconds, self.calibration)
+        if self._ranking is None or self._ranking[0] is not nodes or self._ranking[1] != state:
+            self._ranking = (nodes, state, self._rank(nodes))
+        return self._ranking[2]
+
+    def _rank(self, nodes) -> tuple[list[int], float]:
         ranked = sorted(range(1, len(nodes.tokens)), key=lambda n: (-nodes.scores[n], nodes.depths[n]))
         limit = len(ranked) if self.static else min(len(ranked), self.total_tokens + nodes.looked_up)
         if self.verify_seconds is None:

@@ -46,7 +46,7 @@ class TrainSettings:
     grad_accum: int = 1
     seq_len: int = 256
     ttt_steps: int = 3  # EAGLE: drafting steps simulated per window
-    draft_vocab_size: int = 16384  # EAGLE-3, Medusa, draft: the most frequent tokens scored (the vocabulary if more)
+    draft_vocab_size: int = 16384  # the most frequent tokens scored (the vocabulary if more); EAGLE-1 at inference
     medusa_heads: int = 4
     vocab_rows_only: bool = False  # Medusa: write only the draft vocabulary's lm_head rows (the compact form)
     draft_layers: int = 2  # draft: decoder layers kept
@@ -236,8 +236,10 @@ def build_module(settings: TrainSettings, target: LoadedModel, records: list[dic
             module.vocab_rows = torch.nn.ParameterList(
                 torch.nn.Parameter(head[-1].weight.detach()[vocab].clone()) for head in module.heads)
         return module
-    vocab = vocab if settings.kind == "eagle3" else None
-    head = new_eagle_head(spec, settings.kind, draft_vocab_ids=vocab, seed=settings.seed, aux_layer_ids=aux_layer_ids)
+    head = new_eagle_head(spec, settings.kind, draft_vocab_ids=vocab if settings.kind == "eagle3" else None,
+                          seed=settings.seed, aux_layer_ids=aux_layer_ids)
+    if settings.kind == "eagle":  # scored at inference through those rows of the target's lm_head (draft_vocab.json)
+        head.train_vocab = vocab
     if settings.kind == "eagle3":  # start the draft lm_head from the target's rows of the draft vocabulary
         with torch.no_grad():
             head.lm_head.weight.copy_(target.model.lm_head_weight.float()[head.draft_to_target()])
@@ -327,6 +329,9 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
     else:
         half = module.to(torch.bfloat16)
         save_eagle(half, tmp, safetensors=True)
+        vocab = getattr(module, "train_vocab", None)
+        if vocab is not None and vocab.numel() < target.model.spec.vocab_size:
+            write_draft_vocab(tmp, vocab)
     for file in tmp.iterdir():
         os.replace(file, out_dir / file.name)
     tmp.rmdir()

@@ -17,6 +17,7 @@ from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, Specul
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
+from specserve.models.quant import QuantLinear
 from specserve.speculative.eagle import EagleHead, HeadCache, load_eagle, new_eagle_head, save_eagle
 from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer, Nodes
 from specserve.speculative.eagle_kernels import KernelHead
@@ -363,9 +364,10 @@ def test_head_cache_follows_the_committed_tokens(stories):
     torch.testing.assert_close(proposer.cache.values[0][:, :n], fresh.values[0][:, :n], atol=1e-5, rtol=1e-4)
 
 
-def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
+def eagle_statistics(stories, samples: int = 2000, lookup: bool = False, method: str = "eagle3"):
     target, heads = stories
-    engine = engine_for(target, "eagle3", heads["eagle3"], 2, top_k=2, max_total_draft_tokens=4, prompt_lookup_branch=lookup)
+    head = heads["eagle3" if method == "eagle3" else "eagle"]
+    engine = engine_for(target, method, head, 2, top_k=2, max_total_draft_tokens=4, prompt_lookup_branch=lookup)
     # a training prompt: the head's drafts land in the support; repeated, so that the lookup branch has chains
     prompt_ids = engine.encode(f"{STORY_PROMPTS[0]}, there was a girl. {STORY_PROMPTS[0]}" if lookup
                                else STORY_PROMPTS[0])
@@ -374,9 +376,11 @@ def eagle_statistics(stories, samples: int = 2000, lookup: bool = False):
     return seeded_outputs(engine, prompt_ids, params, samples), exact_joint(target, prompt_ids, params, 3)
 
 
-@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "tree+lookup"])
-def test_sampling_keeps_target_distribution(stories, lookup):
-    counts, expected = eagle_statistics(stories, lookup=lookup)
+@pytest.mark.parametrize("method,lookup", [("eagle3", False), ("eagle3", True), ("eagle2", False)],
+                         ids=["tree", "tree+lookup", "eagle1-draft-vocabulary"])
+def test_sampling_keeps_target_distribution(stories, method, lookup):
+    """eagle2 runs the EAGLE-1 head, whose drafts are scored over its draft vocabulary (draft_vocab.json)."""
+    counts, expected = eagle_statistics(stories, lookup=lookup, method=method)
     assert follows(counts, expected)
 
 
@@ -523,6 +527,43 @@ def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint, tmp_path, metho
     assert drafted > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eagle1_draft_vocabulary_scores_those_rows_of_the_target_lm_head(checkpoint, tmp_path, dtype):
+    """An EAGLE-1 head with a draft_vocab.json scores its drafts over those tokens only, with the target's own
+    logits for them (int8 rows on the kernels), and stays exact."""
+    from specserve.speculative.weights import write_draft_vocab
+
+    target = load_model(checkpoint("llama"), dtype=dtype)
+    head = save_random(target, "eagle", tmp_path / "head")
+    vocab = torch.arange(1, target.model.spec.vocab_size, 3)
+    write_draft_vocab(head, vocab)
+    engine = engine_for(target, "eagle", head, 3, eagle_choices=SMALL_CHOICES)
+    method = engine.method
+    assert torch.equal(method.vocab_map, vocab)
+    assert isinstance(method.vocab_rows.linear, QuantLinear) == (dtype == torch.bfloat16)  # int8 on the kernels
+    x = torch.randn(4, target.model.spec.hidden_size, dtype=dtype)
+    rows = method.vocab_rows(x)
+    expected = target.model.logits(x)[:, vocab].float()
+    assert rows.shape == (4, vocab.numel())
+    assert torch.allclose(rows, expected, atol=0.05 * expected.abs().max().item())
+    assert method.to_target_ids(torch.tensor([0, 2])).tolist() == vocab[[0, 2]].tolist()
+    params = SamplingParams(max_tokens=24)
+    drafted = 0
+    for prompt in PROMPTS:
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, prompt
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
+
+
+def test_a_bad_eagle1_draft_vocabulary_is_refused_at_load(loaded, tmp_path):
+    target = loaded("llama")
+    head = save_random(target, "eagle", tmp_path / "head")
+    (head / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, target.model.spec.vocab_size]}))
+    with pytest.raises(ConfigError, match="outside the target's vocabulary"):
+        engine_for(target, "eagle", head)
+
+
 def test_head_quantization_setting():
     assert EagleOptions.read({"quantization": "int8"})["quantization"] == "int8"
     assert EagleOptions.read({"quantization": None})["quantization"] == "none"
@@ -540,6 +581,21 @@ def test_another_level_pays_for_its_verification(per_token, drafts_on):
     child = nodes.add(0, 5, math.log(0.6), 0)
     assert budget.best(nodes)[0] == [child]
     assert budget.worth_another_level(nodes, [child]) is drafts_on
+
+
+def test_budget_ranking_is_reused_only_for_the_same_tree():
+    """select reuses the last level check's ranking, but not after the tree changed: a lookup chain that raises
+    an existing node's score (no new node) or a new node must be ranked anew."""
+    budget = TreeBudget(lambda n: 0.010 + 0.001 * (n - 1), top_k=8, total_tokens=2, static=False)
+    budget.time_level(0.001)
+    nodes = Nodes(0, None)
+    first = nodes.add(0, 5, math.log(0.5), 0)
+    second = nodes.add(0, 6, math.log(0.3), 1)
+    assert budget.best(nodes)[0] == [first, second]
+    nodes.merge_chain([6], rate=0.9, offset=0.0)  # the lookup chain shares node `second`, now scoring log 0.9
+    assert budget.best(nodes)[0] == [second, first]
+    third = nodes.add(second, 7, math.log(0.99), 0)
+    assert budget.best(nodes)[0] == [second, third]
 
 
 def test_sampling_keeps_target_distribution_drafting_on_the_kernels(checkpoint, tmp_path):
