@@ -953,8 +953,10 @@ void screen_terms(const T* x, int64_t M, int64_t K, Isa isa, std::vector<int8_t>
 
 at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, const at::Tensor& screen_planes,
                          const at::Tensor& qs, const at::Tensor& scales, int64_t N, const std::string& isa_name) {
-  Isa isa = parse_isa(isa_name);
-  if (isa == Isa::avx512) isa = Isa::avx2;  // no AVX-512 screen tile; the AVX2 tiles give the same logits
+  const Isa isa = parse_isa(isa_name);
+  // the bounds and the candidate test are AVX2 code, which every AVX-512 CPU runs; the products come from the
+  // call's own path (VNNI on AVX-512), bit-identical to the other paths' as every tile's are
+  const bool vector_bounds = isa != Isa::scalar;
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   Packed S = packed_from(screen_qs, screen_planes, scales, std::nullopt, N, 5, 32, 16);
@@ -999,7 +1001,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
         float* bounds = top.get() + (tile * M + m0) * kTile;
         run_tile(screen_fns, screen_once, S, X, tile, m0, mr, block, decoded);
-        if (isa == Isa::avx2 && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
+        if (vector_bounds && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
         else screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
       }
     }
@@ -1017,7 +1019,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
       for (int64_t m = 0; m < M; ++m) {
         const float* bounds = top.get() + (tile * M + m) * kTile;
         bool any = bad[m] != 0;
-        if (!any && isa == Isa::avx2 && count(tile) == kTile) any = reaches_avx2(bounds, lower[m]);
+        if (!any && vector_bounds && count(tile) == kTile) any = reaches_avx2(bounds, lower[m]);
         else
           for (int j = 0; j < count(tile) && !any; ++j) any = bounds[j] >= lower[m];
         wants[tile * M + m] = any;
