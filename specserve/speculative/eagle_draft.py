@@ -89,7 +89,8 @@ class EagleMethod(SpecMethod):
             self.vocab_map = None
         self.kernels = eagle_kernels.KernelHead(head, head_quantization) if eagle_kernels.usable(head) else None
         self.vocab_rows = None  # EAGLE-1's lm_head over its draft vocabulary: those rows of the target's
-        if head.kind != "eagle3" and draft_vocab is not None:
+        whole_head = getattr(target_model, "lm_head_shard", None) is None  # a shard holds other rows
+        if head.kind != "eagle3" and draft_vocab is not None and whole_head:
             self.vocab_map = draft_vocab.sort().values
             self.vocab_rows = eagle_kernels.target_rows(target_model, self.vocab_map,
                                                         head_quantization if self.kernels is not None else "none")
