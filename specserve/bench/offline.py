@@ -4,8 +4,9 @@ Concurrency 1, greedy. Each method first runs the first prompt in full, untimed 
 compilation, cost tables and caches land there and are reported apart as `warmup_s`), then every prompt once, the
 methods taking turns prompt by prompt (every method answers a prompt before the next prompt starts), so a drift in
 the machine's speed during the run moves every method alike; tokens/s is total output tokens over total wall time,
-so ratios between methods are side by side on the same machine, prompts and token ids. `llamacpp` / `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the
-same GGUF, through llama-cpp-python when it is installed) take the very token ids specserve's tokenizer makes.
+so ratios between methods are side by side on the same machine, prompts and token ids. `llamacpp` /
+`llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the same GGUF, through llama-cpp-python when it is
+installed) take the very token ids specserve's tokenizer makes.
 """
 
 from __future__ import annotations
