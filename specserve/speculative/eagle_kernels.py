@@ -75,11 +75,15 @@ class RowsHead(nn.Module):
         self.linear, self.softcap = linear, softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.linear, QuantLinear):
-            logits = self.linear(x, out_fp32=True)
-        else:
-            logits = self.linear(x.to(self.linear.weight.dtype)).float()
+        logits = fp32_outputs(self.linear, x)
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
+
+def fp32_outputs(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A draft lm_head's fp32 logits, packed (QuantLinear) or in its weights' own precision."""
+    if isinstance(linear, QuantLinear):
+        return linear(x, out_fp32=True)
+    return linear(x.to(linear.weight.dtype)).float()
 
 
 class KernelHead:
@@ -148,6 +152,4 @@ class KernelHead:
         """fp32 logits [T, V'] of forward's lm_head inputs (EAGLE-1: through the target's lm_head, a callable)."""
         if self.kind != "eagle3":
             return target_logits(lm_inputs).float()
-        if isinstance(self.lm_head, QuantLinear):
-            return self.lm_head(lm_inputs, out_fp32=True)
-        return self.lm_head(lm_inputs).float()
+        return fp32_outputs(self.lm_head, lm_inputs)

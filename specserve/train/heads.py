@@ -316,8 +316,6 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
     tmp = out_dir / ".writing"
     if settings.kind == "draft":
         save_draft_model(module, target, tmp)
-        if module.train_vocab.numel() < target.model.spec.vocab_size:
-            write_draft_vocab(tmp, module.train_vocab)
     elif settings.kind == "medusa":
         with torch.no_grad():  # the trained rows back into the published full-vocabulary lm_heads
             for head, rows in zip(module.heads, module.vocab_rows):
@@ -329,9 +327,9 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
     else:
         half = module.to(torch.bfloat16)
         save_eagle(half, tmp, safetensors=True)
-        vocab = getattr(module, "train_vocab", None)
-        if vocab is not None and vocab.numel() < target.model.spec.vocab_size:
-            write_draft_vocab(tmp, vocab)
+    # the vocabulary a draft model or an EAGLE-1 head scores at inference (Medusa's goes with its heads)
+    if settings.kind in ("draft", "eagle") and module.train_vocab.numel() < target.model.spec.vocab_size:
+        write_draft_vocab(tmp, module.train_vocab)
     for file in tmp.iterdir():
         os.replace(file, out_dir / file.name)
     tmp.rmdir()

@@ -510,6 +510,17 @@ def test_kernel_head_computes_what_the_pytorch_head_does(loaded, kind, quantizat
     assert logits.dtype == torch.float32 and logits.shape[0] == 3
 
 
+def assert_drafts_and_equals_plain(engine, target) -> None:
+    """Greedy on PROMPTS: every output equals plain decoding's, and the method drafted at all."""
+    params = SamplingParams(max_tokens=24)
+    drafted = 0
+    for prompt in PROMPTS:
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, (engine.method.name, prompt)
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
+
+
 @pytest.mark.parametrize("method,knobs", [("eagle", {"eagle_choices": SMALL_CHOICES}),
                                           ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16}),
                                           ("eagle3", {"quantization": "none"})])
@@ -518,13 +529,7 @@ def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint, tmp_path, metho
     head = save_random(target, "eagle3" if method == "eagle3" else "eagle", tmp_path / "head")
     engine = engine_for(target, method, head, 3, **knobs)
     assert engine.method.kernels is not None
-    params = SamplingParams(max_tokens=24)
-    drafted = 0
-    for prompt in PROMPTS:
-        got = engine.generate(prompt, params)
-        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, (method, prompt)
-        drafted += got.metrics.total_draft_tokens
-    assert drafted > 0
+    assert_drafts_and_equals_plain(engine, target)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -547,13 +552,7 @@ def test_eagle1_draft_vocabulary_scores_those_rows_of_the_target_lm_head(checkpo
     assert rows.shape == (4, vocab.numel())
     assert torch.allclose(rows, expected, atol=0.05 * expected.abs().max().item())
     assert method.to_target_ids(torch.tensor([0, 2])).tolist() == vocab[[0, 2]].tolist()
-    params = SamplingParams(max_tokens=24)
-    drafted = 0
-    for prompt in PROMPTS:
-        got = engine.generate(prompt, params)
-        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, prompt
-        drafted += got.metrics.total_draft_tokens
-    assert drafted > 0
+    assert_drafts_and_equals_plain(engine, target)
 
 
 def test_a_bad_eagle1_draft_vocabulary_is_refused_at_load(loaded, tmp_path):
