@@ -1196,9 +1196,9 @@ using QuantLinearFn = at::Tensor (*)(const at::Tensor&, const std::vector<at::Te
                                      const std::vector<std::optional<at::Tensor>>&, const std::vector<at::Tensor>&,
                                      const std::vector<std::optional<at::Tensor>>&, const std::optional<at::Tensor>&,
                                      const std::vector<int64_t>&, const std::vector<int64_t>&,
-                                     const std::vector<int64_t>&, const std::vector<int64_t>&, bool,
-                                     const std::string&);
-constexpr const char* kQuantLinearCapsule = "specserve.quant_linear.v1";
+                                     const std::vector<int64_t>&, const std::vector<int64_t>&,
+                                     const std::vector<double>&, bool, const std::string&);
+constexpr const char* kQuantLinearCapsule = "specserve.quant_linear.v2";
 
 // quant_linear's per-weight argument lists (quant.py's kernel_args).
 struct PackedArgs {
@@ -1207,6 +1207,7 @@ struct PackedArgs {
   std::vector<at::Tensor> scales;
   std::vector<std::optional<at::Tensor>> offsets;
   std::vector<int64_t> N, bits, group, zero;
+  std::vector<double> unit;
 };
 
 // One row-invariant linear: small_linear over a bf16 weight, or quant_linear over packed weights.
@@ -1221,7 +1222,8 @@ struct KernelLinear {
   at::Tensor operator()(const at::Tensor& x, QuantLinearFn quant, const std::string& isa) const {
     const at::Tensor rows = x.reshape({-1, x.size(-1)});
     const at::Tensor y = is_packed() ? quant(rows, packed.qs, packed.planes, packed.scales, packed.offsets, bias,
-                                             packed.N, packed.bits, packed.group, packed.zero, false, isa)
+                                             packed.N, packed.bits, packed.group, packed.zero, packed.unit, false,
+                                             isa)
                                      : small_linear(rows.contiguous(), *weight, bias, false);
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = y.size(-1);
@@ -1551,13 +1553,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear",
         [](std::vector<at::Tensor> qs, std::vector<std::optional<at::Tensor>> planes, std::vector<at::Tensor> scales,
            std::vector<std::optional<at::Tensor>> offsets, std::vector<int64_t> N, std::vector<int64_t> bits,
-           std::vector<int64_t> group, std::vector<int64_t> zero, const std::optional<at::Tensor>& bias) {
+           std::vector<int64_t> group, std::vector<int64_t> zero, std::vector<double> unit,
+           const std::optional<at::Tensor>& bias) {
           return packed_linear({std::move(qs), std::move(planes), std::move(scales), std::move(offsets), std::move(N),
-                                std::move(bits), std::move(group), std::move(zero)}, bias);
+                                std::move(bits), std::move(group), std::move(zero), std::move(unit)}, bias);
         },
         "a LayerStack linear over packed weights (quant_linear; the arguments of quant.kernel_args)", py::arg("qs"),
         py::arg("planes"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("bits"), py::arg("group"),
-        py::arg("zero"), py::arg("bias"));
+        py::arg("zero"), py::arg("unit"), py::arg("bias"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer of a LayerStack")
       .def(py::init([](std::vector<KernelLinear> qkv, std::vector<int64_t> qkv_sizes, KernelLinear o,
                        std::vector<KernelLinear> gate_up, KernelLinear down, std::optional<at::Tensor> q_norm,

@@ -24,6 +24,7 @@ block of 32 (as llama.cpp does) and sums q * p in integers, so a row's result do
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -159,15 +160,23 @@ def quantize_dense(weight: torch.Tensor, kind: str) -> Codes:
         raise QuantizationError(f"{kind} quantization needs in_features divisible by {BLOCK}, not {k}")
     w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
     if kind == "int8":
-        scale = w.abs().amax(-1) / 127
+        scale = as_stored(w.abs().amax(-1) / 127)
         q = torch.round(w / torch.where(scale > 0, scale, 1)[..., None]).clamp(-127, 127) + 128
         return Codes(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(), None, 8, 32, 128, "int8")
     if kind == "int4":
         low, high = w.amin(-1), w.amax(-1)
-        scale = (high - low) / 15
+        scale, low = as_stored((high - low) / 15, low)
         q = torch.round((w - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
         return Codes(q.to(torch.uint8).reshape(n, k).numpy(), scale.numpy(), (-low).numpy(), 4, 32, 0, "int4")
     raise QuantizationError(f"cannot quantize dense weights as {kind!r}: use int8 or int4")
+
+
+def as_stored(scale: torch.Tensor, low: torch.Tensor | None = None):
+    """Scales (and a block's lows, the offsets' negatives) as the packed layout holds them (fp16 in the weight's
+    unit, `half_unit`): codes chosen against these are within half a step of the weight."""
+    unit = half_unit(scale.numpy(), None if low is None else low.numpy())
+    store = lambda v: (v / unit).half().float() * unit
+    return store(scale) if low is None else (store(scale), store(low))
 
 
 # ---------------------------------------------------------------- codes -> the kernel's layout
@@ -180,14 +189,15 @@ class PackedWeight:
 
     qs: torch.Tensor  # uint8 [tiles, K/32, 512 (8 bits) or 256 (4..6 bits)]
     planes: torch.Tensor | None  # uint8 [tiles, K/32, bits - 4, 64], 5- and 6-bit formats
-    scales: torch.Tensor  # float32 [tiles, K/32, 32/group, 16]
-    offsets: torch.Tensor | None  # float32, like scales
+    scales: torch.Tensor  # float16 [tiles, K/32, 32/group, 16], in `unit`s
+    offsets: torch.Tensor | None  # float16, like scales
     out_features: int
     in_features: int
     bits: int
     group: int
     zero: int
     kind: str
+    unit: float = 1.0  # a power of two: the scales' and offsets' true values are unit * the stored ones
     _args: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see `args`
 
     @classmethod
@@ -200,16 +210,18 @@ class PackedWeight:
         groups = q.reshape(tiles, TILE, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
         qs, planes = _pack_groups(torch.from_numpy(np.ascontiguousarray(groups)), codes.bits)
 
+        unit = half_unit(codes.scales, codes.offsets)
+
         def per_tile(values: np.ndarray | None) -> torch.Tensor | None:
             if values is None:
                 return None
-            padded = np.pad(values, ((0, pad), (0, 0)))
+            padded = np.pad(np.asarray(values, dtype=np.float32) / np.float32(unit), ((0, pad), (0, 0)))
             per_block = BLOCK // codes.group
             return torch.from_numpy(np.ascontiguousarray(
-                padded.reshape(tiles, TILE, k // BLOCK, per_block).transpose(0, 2, 3, 1), dtype=np.float32))
+                padded.reshape(tiles, TILE, k // BLOCK, per_block).transpose(0, 2, 3, 1), dtype=np.float16))
 
         return cls(qs, planes, per_tile(codes.scales), per_tile(codes.offsets), n, k, codes.bits, codes.group,
-                   codes.zero, codes.kind)
+                   codes.zero, codes.kind, unit)
 
     @staticmethod
     def fusable(parts: list["PackedWeight"]) -> bool:
@@ -225,16 +237,19 @@ class PackedWeight:
         if not PackedWeight.fusable(parts):
             return None
         first = parts[0]
-        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])
+        unit = max(p.unit for p in parts)  # the parts' scales re-expressed in the largest unit (exact while normal)
+        cat = lambda name: None if getattr(first, name) is None else torch.cat(
+            [in_unit(getattr(p, name), p.unit, unit) for p in parts])
         fused = PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
                              sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
-                             first.zero, first.kind)
+                             first.zero, first.kind, unit)
         start = 0
         for part in parts:  # the parts become views of the fused tensors: memory is not doubled
             tiles = part.out_features // TILE
             for name in _TENSOR_FIELDS:
                 if getattr(fused, name) is not None:
                     setattr(part, name, getattr(fused, name)[start:start + tiles])
+            part.unit = unit
             part._args = None  # its tensors changed
             start += tiles
         return fused
@@ -249,7 +264,7 @@ class PackedWeight:
         first, last = start // TILE, -(-end // TILE)
         part = lambda t: None if t is None else (t[first:last].clone() if copy else t[first:last])
         return PackedWeight(*(part(t) for t in self.tensors), end - start, self.in_features, self.bits, self.group,
-                            self.zero, self.kind)
+                            self.zero, self.kind, self.unit)
 
     def input_slice(self, start: int, end: int) -> "PackedWeight":
         """Inputs [start, end) as a weight of their own (tensor parallelism's row split of o_proj / down_proj).
@@ -261,7 +276,7 @@ class PackedWeight:
         first, last = start // BLOCK, end // BLOCK
         part = lambda t: None if t is None else t[:, first:last].contiguous()
         return PackedWeight(*(part(t) for t in self.tensors), self.out_features, end - start, self.bits,
-                            self.group, self.zero, self.kind)
+                            self.group, self.zero, self.kind, self.unit)
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -286,7 +301,7 @@ class PackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows `ids` (fp32 [..., K])."""
         flat = _kernel().dequantize_rows(ids.reshape(-1), *self.tensors, self.out_features, self.bits,
-                                         self.group, self.zero)
+                                         self.group, self.zero, self.unit)
         return flat.view(*ids.shape, self.in_features)
 
     def dequantize(self) -> torch.Tensor:
@@ -300,7 +315,23 @@ class PackedWeight:
             return None
         qs, planes = _pack_groups(self.qs.view(*self.qs.shape[:2], 8, 64) >> 3, 5)
         return PackedWeight(qs, planes, self.scales, None, self.out_features, self.in_features, 5, BLOCK, 16,
-                            f"{self.kind} screen")
+                            f"{self.kind} screen", self.unit)
+
+
+def half_unit(scales: np.ndarray, offsets: np.ndarray | None) -> float:
+    """The power of two that puts a weight's largest scale or offset at 2^14..2^15: in that unit fp16 keeps 11
+    bits of every value down to 2^-28 of the largest (a GGUF f16 scale exactly), and none overflows."""
+    largest = max(float(np.abs(v).max(initial=0.0)) for v in (scales, offsets) if v is not None)
+    if not np.isfinite(largest):
+        raise QuantizationError("a weight's scales or offsets are not finite")
+    return 1.0 if largest == 0 else math.ldexp(1.0, math.frexp(largest)[1] - 15)
+
+
+def in_unit(values: torch.Tensor | None, unit: float, new_unit: float) -> torch.Tensor | None:
+    """fp16 scales in `unit`s re-expressed in `new_unit`s (codes and planes pass through)."""
+    if values is None or values.dtype != torch.float16 or unit == new_unit:
+        return values
+    return (values.float() * (unit / new_unit)).half()
 
 
 def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -318,8 +349,8 @@ def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return qs, planes
 
 
-PACK_VERSION = 2  # bump when the packed layout changes: cached files of another version are ignored
-_META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind")
+PACK_VERSION = 3  # bump when the packed layout changes: cached files of another version are ignored
+_META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind", "unit")
 
 
 def save_packed(weights: dict[str, PackedWeight], path) -> None:
@@ -354,9 +385,9 @@ def load_packed(path) -> dict[str, PackedWeight] | None:
 
 def kernel_args(weights: list[PackedWeight]) -> tuple[list, ...]:
     """The kernel's per-weight argument lists for these weights: (qs, planes, scales, offsets, N, bits, group,
-    zero), each a list with one entry per weight."""
+    zero, unit), each a list with one entry per weight."""
     fields = [list(field) for field in zip(*(w.tensors for w in weights))]
-    formats = [[getattr(w, name) for w in weights] for name in ("out_features", "bits", "group", "zero")]
+    formats = [[getattr(w, name) for w in weights] for name in ("out_features", "bits", "group", "zero", "unit")]
     return (*fields, *formats)
 
 
@@ -374,7 +405,7 @@ def screen_argmax(x: torch.Tensor, weight: PackedWeight, screen: PackedWeight) -
     """torch.argmax(x @ W.T, -1) over the rows of x [..., K] for an 8-bit W, exactly, reading W's `greedy_screen`
     and only the tiles that can hold a row's maximum: int64 [...]."""
     ids = _kernel().screen_argmax(x.reshape(-1, x.shape[-1]), screen.qs, screen.planes, weight.qs, weight.scales,
-                                  weight.out_features, isa())
+                                  weight.out_features, weight.unit, isa())
     return ids.view(x.shape[:-1])
 
 

@@ -49,10 +49,43 @@ def packed_weight(kind: str, rows: int = 80, cols: int = 512, seed: int = 0):
 
 @pytest.mark.parametrize("kind", quant.GGUF_TYPES)
 def test_gguf_blocks_decode_to_gguf_py_values(kind):
+    """Exact where the GGUF block's scales are f16 values; a K-quant's scale d * sc (and min dmin * m) is kept to
+    fp16's 11 bits, so each weight is within 2^-11 of its block's |scale| * |q - z| + |offset|."""
     raw = random_gguf(kind, 35, 512, seed=1)  # 35 rows: a partial last tile
     expected = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(35, 512)
-    packed = quant.PackedWeight.from_codes(quant.decode_gguf(kind, raw, (35, 512)))
-    assert np.array_equal(packed.dequantize().numpy(), expected)
+    codes = quant.decode_gguf(kind, raw, (35, 512))
+    got = quant.PackedWeight.from_codes(codes).dequantize().numpy()
+    if not kind.endswith("_K"):
+        assert np.array_equal(got, expected)
+        return
+    assert not np.array_equal(got, expected)  # the rounding this test bounds is there
+    term = np.abs(codes.scales) * 2 ** codes.bits + (np.abs(codes.offsets) if codes.offsets is not None else 0)
+    bound = np.repeat(term, codes.group, axis=1) * 2.0 ** -11 * (1 + 2 ** -10)
+    assert (np.abs(got - expected) <= bound).all()
+
+
+@pytest.mark.parametrize("magnitude", [2.0 ** -40, 1e-7, 3e-3, 1.0, 7e4, 2.0 ** 60])
+def test_scales_of_any_magnitude_keep_their_precision(magnitude, monkeypatch):
+    """Scales are stored as fp16 in a power-of-two unit of the weight's own: the same codes with every scale
+    multiplied by a power of two give outputs multiplied by exactly that, on every path, at magnitudes far outside
+    fp16's range; fused parts of different units compute what they compute alone."""
+    codes = quant.decode_gguf("Q4_0", random_gguf("Q4_0", 32, 256), (32, 256))
+    base = quant.PackedWeight.from_codes(codes)
+    power = 2.0 ** round(np.log2(magnitude) + 6)  # the scales are ~2^-6: this puts them near `magnitude`
+    scaled = quant.PackedWeight.from_codes(quant.Codes(codes.q, codes.scales * np.float32(power), None, codes.bits,
+                                                       codes.group, codes.zero, codes.kind))
+    assert scaled.unit == base.unit * power
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        want = base.matmul(x, out_fp32=True).double() * power
+        if np.isfinite(want.numpy()).all():
+            assert torch.equal(scaled.matmul(x, out_fp32=True).double(), want), isa
+    assert torch.equal(scaled.dequantize().double(), base.dequantize().double() * power)
+    alone = [base.matmul(x, out_fp32=True), scaled.matmul(x, out_fp32=True)]
+    if abs(np.log2(power)) < 12:  # re-expressed in the larger unit, the smaller part's scales stay fp16 normals
+        fused = quant.PackedWeight.concat([base, scaled])
+        assert torch.equal(fused.matmul(x, out_fp32=True), torch.cat(alone, -1))
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -63,7 +96,8 @@ def test_dense_quantization_error_is_bounded(kind):
     blocks = weight.reshape(64, 8, 32)
     step = blocks.abs().amax(-1) / 127 if kind == "int8" else (blocks.amax(-1) - blocks.amin(-1)) / 15
     assert (got - weight).abs().reshape(64, 8, 32).amax(-1).le(step * 0.5 + 1e-5).all()
-    assert torch.equal(got[3], weight[3])
+    if kind == "int4":  # its offset holds the constant; int8's scale 0.5 / 127 has no exact fp16 value
+        assert torch.equal(got[3], weight[3])
 
 
 @pytest.mark.parametrize("kind", FORMATS)
