@@ -361,11 +361,12 @@ def distill_command(
                                                 "to specserve's own general and code prompts; repeatable."),
     held_out: list[Path] = typer.Option([], help="Evaluation prompt files that no training prompt may overlap."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts of the shuffled set."),
+    skip_distilled: list[Path] = typer.Option([], help="Earlier distill directories whose prompts this run skips."),
     max_tokens: int = typer.Option(128, help="Response tokens the target generates per prompt."),
     batch_size: int = typer.Option(16, help="Requests decoded together."),
 ) -> None:
     """Self-distillation data for head training: the target's greedy responses and its features (resumable)."""
-    from specserve.train.distill import distill_tokens, saved_prompts
+    from specserve.train.distill import distill_tokens, saved_prompts, unseen_prompts
     from specserve.train.prompt_files import check_held_out, read_prompt_file
     from specserve.train.prompt_set import distill_prompt_set
 
@@ -374,7 +375,7 @@ def distill_command(
         if train_prompts is not None:
             typer.echo(f"resuming the prompt list saved in {out}", err=True)
         else:
-            train_prompts = distill_prompt_set(list(prompts))[:num_prompts]
+            train_prompts = unseen_prompts(distill_prompt_set(list(prompts)), skip_distilled)[:num_prompts]
         check_held_out(train_prompts, [p for path in held_out for p in read_prompt_file(path)])
         model = load_model(target)
         report = distill_tokens(model, Path(target).name, train_prompts, out, features, max_tokens=max_tokens,
@@ -393,9 +394,8 @@ def train_command(
     out: Path = typer.Option(..., help="Output directory: the head in its published layout, checkpoint, report."),
     data: Optional[Path] = typer.Option(None, help="Self-distillation data directory (default OUT/data); "
                                                    "reusable across methods for one target."),
-    distilled: Optional[Path] = typer.Option(None, help="Train on `specserve distill` token data instead "
-                                                        "(with --features)."),
-    features: Optional[Path] = typer.Option(None, help="The features of --distilled (recomputed where missing)."),
+    distilled: list[Path] = typer.Option([], help="Train on `specserve distill` token data (repeatable)."),
+    features: list[Path] = typer.Option([], help="Each --distilled's features, in order (recomputed if missing)."),
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N training prompts."),
     eval_prompts: Optional[Path] = typer.Option(None, help="Held-out evaluation prompts (default: the last 5% of "
                                                            "the training prompts, at most 20, kept out of training)."),
@@ -436,8 +436,8 @@ def train_command(
                                  vocab_rows_only=vocab_rows_only)
         # the trainers read the target's embedding and lm_head as dense tables: train on the dequantized weights
         model = load_model(target, dtype=dtype, quantization="none")
-        if distilled is not None:
-            if features is None or held_out is None:
+        if distilled:
+            if not features or held_out is None:
                 fail("--distilled needs --features and --eval-prompts")
             report = train_distilled(model, load_model(target, dtype=dtype), kind, distilled, features, out,
                                      held_out, settings, max_tokens, echo=lambda text: typer.echo(text, err=True))

@@ -134,6 +134,17 @@ def saved_prompts(directory) -> list[str] | None:
     return read_prompt_file(path) if path.exists() else None
 
 
+def unseen_prompts(prompts: list[str], earlier_dirs) -> list[str]:
+    """`prompts` less those an earlier run in any of `earlier_dirs` was given: a new directory of more data."""
+    seen: set[str] = set()
+    for directory in earlier_dirs:
+        saved = saved_prompts(directory)
+        if saved is None:
+            raise FileNotFoundError(f"{directory} has no {PROMPTS}: not a specserve token data directory")
+        seen.update(saved)
+    return [p for p in prompts if p not in seen]
+
+
 def load_token_data(directory) -> list[dict]:
     """Every finished shard's sequences, in shard order (a partial run gives what it has)."""
     directory = Path(directory)

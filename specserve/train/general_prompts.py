@@ -35,6 +35,35 @@ SUBJECTS = [
     "museums", "libraries", "volunteering", "moving to a new city", "adopting a dog", "caring for a cat",
     "raising chickens", "saving energy at home", "fixing a leaky faucet", "painting a room", "car maintenance",
     "packing for travel", "jet lag", "learning to drive", "first aid", "fire safety", "making friends as an adult",
+    "the solar system", "comets", "the northern lights", "ocean currents", "clouds", "fog", "snowflakes",
+    "wildfires", "floods", "droughts", "air pollution", "noise pollution", "light pollution", "groundwater",
+    "wetlands", "mountains", "caves", "rivers", "islands", "penguins", "wolves", "elephants", "sharks", "owls",
+    "butterflies", "frogs", "spiders", "mushrooms", "moss", "trees in autumn", "seeds", "pollination",
+    "bacteria", "viruses", "antibiotics", "allergies", "headaches", "back pain", "eyesight", "hearing",
+    "the brain", "muscles", "bones", "teeth", "skin care", "sunscreen", "breakfast", "sugar", "salt", "fiber",
+    "protein", "vegetarian cooking", "soup", "salads", "rice", "pasta", "eggs", "olive oil", "herbs",
+    "baking cookies", "pickling vegetables", "food storage", "kitchen hygiene", "grocery shopping",
+    "personal finance", "retirement savings", "emergency funds", "insurance", "renting an apartment",
+    "buying a house", "freelancing", "starting a podcast", "writing a resume", "career changes", "mentoring",
+    "online courses", "homeschooling", "math anxiety", "fractions", "percentages", "probability",
+    "statistics", "geometry", "algebra", "prime numbers", "the metric system", "maps", "time zones",
+    "calendars", "clocks", "money", "banks", "stock markets", "cryptocurrency", "shipping containers",
+    "supermarkets", "restaurants", "farming", "irrigation", "fishing", "forestry", "mining", "steel", "glass",
+    "plastic", "paper", "cotton", "wool", "dyes", "soap", "candles", "fireworks", "magnets in motors",
+    "radio", "television", "cameras", "headphones", "keyboards", "video games", "board games", "card games",
+    "puzzles", "crossword puzzles", "sudoku", "origami", "drawing", "calligraphy", "woodworking", "sewing",
+    "baking a cake", "birthday traditions", "holidays around the world", "weddings", "tipping customs",
+    "etiquette at dinner parties", "small talk", "active listening", "apologizing", "saying no politely",
+    "handling criticism", "motivation", "goal setting", "daily routines", "decluttering", "minimalism",
+    "living with roommates", "long-distance friendships", "grandparents", "siblings", "parenting toddlers",
+    "teenagers and phones", "school lunches", "field trips", "science fairs", "spelling", "grammar",
+    "punctuation", "storytelling", "fairy tales", "myths", "comic books", "podcasts", "documentaries",
+    "classical music", "rock music", "singing", "drums", "dance", "marathons", "tennis", "soccer",
+    "basketball", "baseball", "skiing", "surfing", "rock climbing", "sailing", "kayaking", "horse riding",
+    "the Olympics", "lighthouses", "castles", "pyramids", "the Great Wall of China", "medieval knights",
+    "Vikings", "ancient Greece", "the Renaissance", "the age of exploration", "the history of money",
+    "the history of writing", "the history of medicine", "the invention of the light bulb", "steam engines",
+    "canals", "public transport", "city parks", "traffic", "roundabouts", "speed limits", "electric scooters",
 ]
 
 QUESTION_FORMS = [
@@ -58,6 +87,16 @@ QUESTION_FORMS = [
     "What would a good first lesson on {s} cover?",
     "Write a friendly tweet that teaches something about {s}.",
     "Tell a short story in which {s} plays an important role.",
+    "I keep hearing about {s}. What is it, in a few sentences?",
+    "What is one thing most people get wrong about {s}?",
+    "Give me five quick facts about {s} for a school presentation.",
+    "How has {s} changed over the last hundred years?",
+    "What would the world be like without {s}?",
+    "Write a short dialogue between a teacher and a student about {s}.",
+    "Describe {s} using an everyday analogy.",
+    "What should a beginner read or watch to learn about {s}?",
+    "Write a limerick about {s}.",
+    "What are the safety considerations around {s}?",
 ]
 
 PAIRS = [
@@ -68,6 +107,11 @@ PAIRS = [
     ("a democracy", "a republic"), ("an essay", "a report"), ("speed", "velocity"),
     ("mass", "weight"), ("a simile", "a metaphor"), ("empathy", "sympathy"), ("a museum", "a gallery"),
     ("email", "instant messaging"), ("a hobby", "a career"), ("a mortgage", "rent"), ("an e-book", "a paper book"),
+    ("a frog", "a toad"), ("a rabbit", "a hare"),
+    ("a credit card", "a debit card"), ("a city", "a town"), ("an ocean", "a sea"), ("a moth", "a butterfly"),
+    ("baking", "roasting"), ("a podcast", "an audiobook"), ("a sprint", "a marathon"), ("a poem", "a song"),
+    ("a fruit", "a vegetable"), ("a planet", "a star"), ("a hill", "a mountain"), ("a want", "a need"),
+    ("a fact", "an opinion"), ("a goal", "a habit"), ("a manager", "a leader"), ("tablets", "laptops"),
 ]
 
 PAIR_FORMS = [
@@ -86,6 +130,13 @@ TASKS = [
     "teach a child to ride a bike", "keep a conversation going", "pack a lunch for work", "decorate a small room",
     "improve handwriting", "memorize a speech", "fall asleep faster", "save money on groceries",
     "start running in the morning", "write a thank-you note", "choose a good book", "care for a succulent",
+    "learn to swim as an adult", "repot a houseplant", "change a flat tire", "make a good cup of tea",
+    "ask for a raise", "plan a picnic", "write a wedding toast", "prepare for a storm", "pick a good watermelon",
+    "keep a sourdough starter alive", "stop biting my nails", "organize my photos", "learn basic first aid",
+    "make new friends in a new city", "prepare a presentation", "study for a math test", "build a birdhouse",
+    "set up a fish tank", "plan a vegetable-only week of meals", "wake up earlier", "get rid of fruit flies",
+    "sharpen a kitchen knife", "start a book club", "teach my parents to use a smartphone", "brew cold coffee",
+    "paint a fence", "write a complaint letter", "keep my houseplants alive while travelling",
 ]
 
 TASK_FORMS = [
@@ -94,6 +145,8 @@ TASK_FORMS = [
     "What mistakes should I avoid when I {t}?",
     "I want to {t}. Where should I start?",
     "Write a checklist for someone who wants to {t}.",
+    "What tools or supplies do I need to {t}?",
+    "How long does it usually take to {t}?",
 ]
 
 NAMES = ["Maya", "Omar", "Lena", "Kofi", "Ines", "Tariq", "Priya", "Jonas", "Aiko", "Diego", "Nora", "Samir"]
@@ -123,7 +176,7 @@ def word_problems(rng: random.Random, count: int) -> list[str]:
     return problems
 
 
-def general_prompts(seed: int = 0, word_problem_count: int = 400) -> list[str]:
+def general_prompts(seed: int = 0, word_problem_count: int = 800) -> list[str]:
     """Every subject x question form, pair x pair form and task x task form, plus word problems; shuffled."""
     prompts = [form.format(s=s) for s, form in itertools.product(SUBJECTS, QUESTION_FORMS)]
     prompts += [form.format(a=a, b=b) for (a, b), form in itertools.product(PAIRS, PAIR_FORMS)]

@@ -85,15 +85,21 @@ def finish_report(report: dict, target: LoadedModel, kind: str, out_dir: Path, e
     return report
 
 
-def train_distilled(dense: LoadedModel, served: LoadedModel, kind: str, distilled_dir, feature_dir, out_dir,
-                    eval_prompts: list[str], settings: TrainSettings, max_tokens: int = 128, echo=print) -> dict:
-    """Train on token data made by `specserve distill` (features from `feature_dir`, recomputed on `served` where
-    missing), then evaluate on the held-out prompts with the model the head will serve with."""
+def train_distilled(dense: LoadedModel, served: LoadedModel, kind: str, distilled_dirs: list, feature_dirs: list,
+                    out_dir, eval_prompts: list[str], settings: TrainSettings, max_tokens: int = 128,
+                    echo=print) -> dict:
+    """Train on token data made by `specserve distill` (one or more directories, each with its features
+    directory; features recomputed on `served` where missing), then evaluate on the held-out prompts with the
+    model the head will serve with."""
     from specserve.train.distill import load_distilled
 
+    if len(distilled_dirs) != len(feature_dirs):
+        raise ValueError(f"{len(distilled_dirs)} token data directories but {len(feature_dirs)} feature "
+                         f"directories: give one --features per --distilled, in the same order")
     out_dir = Path(out_dir)
     start = time.perf_counter()
-    records = load_distilled(distilled_dir, feature_dir, served)
+    records = [record for tokens, features in zip(distilled_dirs, feature_dirs)
+               for record in load_distilled(tokens, features, served)]
     echo(f"{len(records)} sequences, {sum(r['tokens'].numel() for r in records)} positions")
     train(settings, dense, records, out_dir, aux_layer_ids=default_aux_layer_ids(dense.model.spec.num_layers))
     report = {"kind": kind, "target": str(served.path), "train_sequences": len(records),

@@ -12,8 +12,9 @@ import torch
 from specserve.engine.engine import Engine
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.distill import (distill_tokens, feature_file, load_distilled, load_token_data,
-                                     recompute_features, saved_prompts)
+                                     recompute_features, saved_prompts, unseen_prompts)
 from specserve.train.heads import TrainSettings, sample_windows
+from specserve.train.run import train_distilled
 from tests.conftest import STORY_PROMPTS
 
 PROMPTS = STORY_PROMPTS[:6]
@@ -79,3 +80,21 @@ def test_records_keep_the_prompt_out_of_the_loss_and_recompute_missing_features(
         load_distilled(root / "tokens", tmp_path / "none")
     manifest = json.loads((root / "tokens" / "manifest.json").read_text())
     assert manifest["target"] == "stories"
+
+
+def test_more_data_goes_in_a_second_directory_and_trains_with_the_first(distilled, tmp_path):
+    target, root, _ = distilled
+    more = STORY_PROMPTS[6:8]
+    assert unseen_prompts(PROMPTS + more, [root / "tokens"]) == more
+    with pytest.raises(FileNotFoundError, match="prompts.jsonl"):
+        unseen_prompts(more, [tmp_path])
+    distill_tokens(target, "stories", more, tmp_path / "tokens", tmp_path / "features", max_tokens=12,
+                   batch_size=4, shard_size=4)
+    settings = TrainSettings(kind="eagle3", steps=2, batch_size=2, seq_len=32, draft_vocab_size=256)
+    report = train_distilled(target, target, "eagle3", [root / "tokens", tmp_path / "tokens"],
+                             [root / "features", tmp_path / "features"], tmp_path / "head", [], settings)
+    assert report["train_sequences"] == len(PROMPTS) + len(more)
+    assert (tmp_path / "head" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="one --features per --distilled"):
+        train_distilled(target, target, "eagle3", [root / "tokens", tmp_path / "tokens"], [root / "features"],
+                        tmp_path / "other", [], settings)
