@@ -20,7 +20,7 @@
 //                  the weight's `unit`, a power of two that puts its largest at 2^14..2^15, so fp16 holds every
 //                  GGUF f16 scale exactly and a K-quant's d * sc to 2^-12; a tile's sums come out in that unit and
 //                  y is multiplied by it (exact: a power of two), so they equal fp32 scales' sums bit for bit.
-//                  Half the bytes of fp32 scales: a one-row step streams 10% (Q4_0) to 17% (Q4_K) fewer.
+//                  Half the bytes of fp32 scales: a one-row step streams 10% (Q4_0) to 16% (Q4_K_M) fewer.
 
 #include <torch/extension.h>
 
