@@ -157,6 +157,11 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's final logit soft-capping, cap * tanh(logits / cap); the logits as they are without a cap."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -420,10 +425,7 @@ class CausalLM(nn.Module):
         return self._kernels_usable
 
     def logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        logits = self._lm_head(hidden, row_invariant)
-        cap = self.spec.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        logits = soft_cap(self._lm_head(hidden, row_invariant), self.spec.final_logit_softcapping)
         if self.gather_vocab is not None:
             return self.gather_vocab(logits)
         if self.vocab_subset is not None:

@@ -27,6 +27,7 @@ from torch import nn
 from specserve.models import cpu_kernels, quant
 from specserve.models.kernel_forward import stack_linear
 from specserve.models.quant import FusedQuantLinear, QuantizationError, QuantLinear, quantize_linear
+from specserve.models.transformer import soft_cap
 from specserve.speculative.eagle import EagleHead, HeadCache
 
 
@@ -75,8 +76,7 @@ class RowsHead(nn.Module):
         self.linear, self.softcap = linear, softcap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = fp32_outputs(self.linear, x)
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        return soft_cap(fp32_outputs(self.linear, x), self.softcap)
 
 
 def fp32_outputs(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.models.loader import LoadedModel
+from specserve.models.transformer import soft_cap
 from specserve.train.vocab import subset_labels
 
 
@@ -67,10 +68,8 @@ def new_draft_model(target: LoadedModel, num_layers: int):
 def draft_loss(model, batch: dict, vocab_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Cross-entropy against the target's argmax at each real position, over the draft vocabulary."""
     hidden = model.model(input_ids=batch["tokens"]).last_hidden_state
-    logits = F.linear(hidden, model.get_output_embeddings().weight[vocab_ids]).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = soft_cap(F.linear(hidden, model.get_output_embeddings().weight[vocab_ids]).float(),
+                      getattr(model.config, "final_logit_softcapping", None))
     labels = subset_labels(batch["labels"], vocab_ids, model.get_output_embeddings().weight.shape[0])
     valid = batch["valid"] & (labels >= 0)
     loss = F.cross_entropy(logits[valid], labels[valid])

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specserve.models.loader import LoadedModel
+from specserve.models.transformer import soft_cap
 from specserve.speculative.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
 from specserve.speculative.medusa import MedusaHeads, save_medusa
 from specserve.speculative.weights import write_draft_vocab
@@ -146,8 +147,7 @@ class FrozenTarget:
         self.softcap = model.spec.final_logit_softcapping
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float()
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        return soft_cap(F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float(), self.softcap)
 
 
 def eagle_loss(head: EagleHead, target: FrozenTarget, batch: dict, steps: int) -> tuple[torch.Tensor, float]:
