@@ -401,27 +401,48 @@ SPECSERVE_AVX2 inline void block_rows_avx2(const Packed& W, const Acts& X, int64
   }
 }
 
-// A tile's outputs for MR activation rows from m0. Each block half is decoded here, or, with `decoded`
-// (decode_tile_avx2's buffer), read from it; the arithmetic is block_rows_avx2's either way.
+// Half h of weight block kb of a tile against MR rows: decoded here, or, with `decoded` (decode_tile_avx2's
+// buffer), read from it; the arithmetic is block_rows_avx2's either way.
+template <int BITS, int SUB, bool OFFS, int MR, bool DECODED>
+SPECSERVE_AVX2 inline void half_block_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t kb, int h, int64_t m0,
+                                           const __m256i* decoded, __m256 (&acc)[MR]) {
+  const int64_t at = tile * W.kblocks + kb;
+  __m256i w[8], mag[8];
+  if constexpr (DECODED) {
+    for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
+  } else {
+    if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
+    decode_half<BITS>(W, at, h, w, mag);
+  }
+  block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, at, kb, h, m0, w, mag, acc);
+}
+
+// A tile's outputs for MR activation rows from m0. Up to kOnePassRows rows take both halves of each block in turn:
+// the weight then streams from memory in one pass. Done half by half, the second half re-read the tile from cache
+// while the memory stood idle. More rows go half by half, as their accumulators for both halves would not fit
+// the 16 registers. Each output's sum runs over the blocks in the same order either way: the same bits.
+constexpr int kOnePassRows = 2;
+
 template <int BITS, int SUB, bool OFFS, int MR, bool DECODED>
 SPECSERVE_AVX2 inline void tile_rows_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
                                           const __m256i* decoded) {
   static_assert(!DECODED || BITS != 8, "a decoded tile holds codes only, not the 8-bit magnitudes");
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t kb = 0; kb < W.kblocks; ++kb) {
-      const int64_t at = tile * W.kblocks + kb;
-      __m256i w[8], mag[8];
-      if constexpr (DECODED) {
-        for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
-      } else {
-        if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
-        decode_half<BITS>(W, at, h, w, mag);
-      }
-      block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, at, kb, h, m0, w, mag, acc);
+  if constexpr (MR <= kOnePassRows) {
+    __m256 acc[2][MR];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MR; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < W.kblocks; ++kb)
+      for (int h = 0; h < 2; ++h) half_block_avx2<BITS, SUB, OFFS, MR, DECODED>(W, X, tile, kb, h, m0, decoded, acc[h]);
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[h][i]);
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t kb = 0; kb < W.kblocks; ++kb)
+        half_block_avx2<BITS, SUB, OFFS, MR, DECODED>(W, X, tile, kb, h, m0, decoded, acc);
+      for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
     }
-    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(out + i * kTile + 8 * h, acc[i]);
   }
 }
 

@@ -95,7 +95,8 @@ def test_dense_quantization_error_is_bounded(kind):
     got = quant.PackedWeight.from_codes(quant.quantize_dense(weight, kind)).dequantize()
     blocks = weight.reshape(64, 8, 32)
     step = blocks.abs().amax(-1) / 127 if kind == "int8" else (blocks.amax(-1) - blocks.amin(-1)) / 15
-    assert (got - weight).abs().reshape(64, 8, 32).amax(-1).le(step * 0.5 + 1e-5).all()
+    # half a step of the stored scale, which fp16 keeps within 2^-11 of `step`
+    assert (got - weight).abs().reshape(64, 8, 32).amax(-1).le(step * 0.5 * (1 + 2 ** -10) + 1e-5).all()
     if kind == "int4":  # its offset holds the constant; int8's scale 0.5 / 127 has no exact fp16 value
         assert torch.equal(got[3], weight[3])
 
