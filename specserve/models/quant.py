@@ -238,8 +238,13 @@ class PackedWeight:
             return None
         first = parts[0]
         unit = max(p.unit for p in parts)  # the parts' scales re-expressed in the largest unit (exact while normal)
-        cat = lambda name: None if getattr(first, name) is None else torch.cat(
-            [in_unit(getattr(p, name), p.unit, unit) for p in parts])
+
+        def cat(name: str) -> torch.Tensor | None:
+            if getattr(first, name) is None:
+                return None
+            in_units = name in ("scales", "offsets")  # codes and planes have no unit
+            return torch.cat([in_unit(getattr(p, name), p.unit, unit) if in_units else getattr(p, name) for p in parts])
+
         fused = PackedWeight(cat("qs"), cat("planes"), cat("scales"), cat("offsets"),
                              sum(p.out_features for p in parts), first.in_features, first.bits, first.group,
                              first.zero, first.kind, unit)
@@ -327,11 +332,9 @@ def half_unit(scales: np.ndarray, offsets: np.ndarray | None) -> float:
     return 1.0 if largest == 0 else math.ldexp(1.0, math.frexp(largest)[1] - 15)
 
 
-def in_unit(values: torch.Tensor | None, unit: float, new_unit: float) -> torch.Tensor | None:
-    """fp16 scales in `unit`s re-expressed in `new_unit`s (codes and planes pass through)."""
-    if values is None or values.dtype != torch.float16 or unit == new_unit:
-        return values
-    return (values.float() * (unit / new_unit)).half()
+def in_unit(values: torch.Tensor, unit: float, new_unit: float) -> torch.Tensor:
+    """fp16 scales or offsets in `unit`s re-expressed in `new_unit`s."""
+    return values if unit == new_unit else (values.float() * (unit / new_unit)).half()
 
 
 def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
