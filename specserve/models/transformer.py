@@ -26,6 +26,7 @@ from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import kernel_plan
 from specserve.models.kv_cache import KVCache
 from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear, screen_argmax
+from specserve.models.screen_choice import ScreenChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
@@ -500,9 +501,20 @@ class CausalLM(nn.Module):
 
     def _head(self, hidden: torch.Tensor, row_invariant: bool, greedy: bool) -> torch.Tensor | GreedyChoices:
         screen = self.greedy_screen if greedy else None
-        if screen is not None:
-            return GreedyChoices(screen_argmax(hidden, self.lm_head_packed, screen))
-        return self.logits(hidden, row_invariant)
+        if screen is None:
+            return self.logits(hidden, row_invariant)
+        rows = hidden.numel() // hidden.shape[-1]
+        choice = self.screen_choice
+        if choice.uses_screen(rows):
+            return choice.timed(rows, True, lambda: GreedyChoices(screen_argmax(hidden, self.lm_head_packed, screen)))
+        return choice.timed(rows, False, lambda: self.logits(hidden, row_invariant))
+
+    @property
+    def screen_choice(self) -> ScreenChoice:
+        """Whether greedy calls read the screen or the plain lm_head, from their measured times (screen_choice.py)."""
+        if "_screen_choice" not in self.__dict__:
+            self.__dict__["_screen_choice"] = ScreenChoice()
+        return self.__dict__["_screen_choice"]
 
     @property
     def greedy_screen(self) -> PackedWeight | None:
