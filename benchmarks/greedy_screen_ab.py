@@ -149,7 +149,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=("engine", "lm_head", "choice", "flat"))
     parser.add_argument("--methods", default="ar,ngram")
-    parser.add_argument("--prompts", type=int, default=5, help="engine: prompts from each set")
+    parser.add_argument("--prompts", type=int, default=5, help="engine, choice: prompts from each set (or random ones)")
     parser.add_argument("--random-prompts", action="store_true", help="choice: random-token prompts")
     parser.add_argument("--rows", default="1,2,3,5,8,16,40")
     parser.add_argument("--rounds", type=int, default=4)
