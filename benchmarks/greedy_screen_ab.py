@@ -35,23 +35,47 @@ from specserve.models.transformer import GREEDY_SCREEN, GreedyChoices
 from specserve.speculative.sampling import SamplingParams
 
 
+def in_turns(names: list[str], round_: int) -> list[str]:
+    """The order of `names` in round `round_`: each round starts one further along."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
+def generate_in_turns(engine, questions: list[str], settings: dict, rounds: int, warm_rounds: int = 0):
+    """Each question through `engine` under each setting (a callable that applies it), settings in turns round by
+    round; the first `warm_rounds` rounds are not timed. Returns the outputs by (setting, question index) and each
+    setting's tokens/s."""
+    outputs, seconds, tokens = {}, dict.fromkeys(settings, 0.0), dict.fromkeys(settings, 0)
+    params = SamplingParams(max_tokens=128)
+    for round_ in range(rounds):
+        for name in in_turns(list(settings), round_):
+            settings[name]()
+            for i, question in enumerate(questions):
+                result = engine.generate(question, params)
+                outputs.setdefault((name, i), result.token_ids)
+                if round_ >= warm_rounds:
+                    seconds[name] += result.metrics.total_time_s
+                    tokens[name] += result.metrics.output_tokens
+    return outputs, {name: tokens[name] / seconds[name] for name in settings}
+
+
+def screen_setting(value: str, choice=None, margin: float | None = None):
+    """A setting for generate_in_turns: SPECSERVE_GREEDY_SCREEN = value and, with `choice`, its margin."""
+    def apply() -> None:
+        os.environ[GREEDY_SCREEN] = value
+        if choice is not None:
+            choice.margin = margin
+    return apply
+
+
 def engine_ab(target, methods: list[str], questions: list[str]) -> None:
     base = DeploymentConfig()
-    params = SamplingParams(max_tokens=128)
     for method in methods:
         engine = build_engine(replace(base, speculative=base.speculative.with_method(method)), target)
         engine.generate(questions[0], SamplingParams(max_tokens=16))
-        outputs, seconds, tokens = {}, {"0": 0.0, "1": 0.0}, {"0": 0, "1": 0}
-        for round_ in range(2):
-            for setting in ("1", "0") if round_ == 0 else ("0", "1"):
-                os.environ[GREEDY_SCREEN] = setting
-                for i, question in enumerate(questions):
-                    result = engine.generate(question, params)
-                    outputs.setdefault((setting, i), result.token_ids)
-                    seconds[setting] += result.metrics.total_time_s
-                    tokens[setting] += result.metrics.output_tokens
+        outputs, rates = generate_in_turns(engine, questions, {"1": screen_setting("1"), "0": screen_setting("0")}, 2)
         equal = sum(outputs["0", i] == outputs["1", i] for i in range(len(questions)))
-        off, on = (tokens[s] / seconds[s] for s in ("0", "1"))
+        off, on = rates["0"], rates["1"]
         print(f"{method}: outputs equal {equal}/{len(questions)}; screen off {off:.1f} tok/s, on {on:.1f} "
               f"({on / off:.3f}x)")
 
@@ -64,26 +88,15 @@ def random_prompts(tokenizer, count: int, length: int = 64) -> list[str]:
 
 
 def choice_ab(target, methods: list[str], questions: list[str]) -> None:
-    count = len(questions)
     choice = target.model.screen_choice
     margin = choice.margin
-    settings = {"off": ("0", margin), "screen always": ("1", float("inf")), "chosen": ("1", margin)}
-    params = SamplingParams(max_tokens=128)
+    settings = {"off": screen_setting("0", choice, margin), "screen always": screen_setting("1", choice, float("inf")),
+                "chosen": screen_setting("1", choice, margin)}
     base = DeploymentConfig()
     for method in methods:
         engine = build_engine(replace(base, speculative=base.speculative.with_method(method)), target)
-        outputs, seconds, tokens = {}, dict.fromkeys(settings, 0.0), dict.fromkeys(settings, 0)
-        for round_ in range(3):
-            for name in list(settings)[round_:] + list(settings)[:round_]:
-                os.environ[GREEDY_SCREEN], choice.margin = settings[name]
-                for i, question in enumerate(questions):
-                    result = engine.generate(question, params)
-                    outputs.setdefault((name, i), result.token_ids)
-                    if round_ > 0:  # the first round warms each setting up
-                        seconds[name] += result.metrics.total_time_s
-                        tokens[name] += result.metrics.output_tokens
-        equal = all(outputs[name, i] == outputs["off", i] for name in settings for i in range(count))
-        rates = {name: tokens[name] / seconds[name] for name in settings}
+        outputs, rates = generate_in_turns(engine, questions, settings, 3, warm_rounds=1)
+        equal = all(outputs[name, i] == outputs["off", i] for name in settings for i in range(len(questions)))
         print(f"{method}: outputs equal: {equal}; " + ", ".join(
             f"{name} {rate:.1f} tok/s ({rate / rates['off']:.3f}x off)" for name, rate in rates.items()))
     os.environ[GREEDY_SCREEN], choice.margin = "1", margin
@@ -108,14 +121,13 @@ def flat_ab(target, rows: list[int], rounds: int) -> None:
             out = model(tokens, positions, cache, positions, greedy=greedy).logits
             return out.ids[0] if isinstance(out, GreedyChoices) else cpu_kernels.argmax(out[0])
 
-        cases = {"full": lambda: forward(False), "screen": lambda: forward(True), "chosen": lambda: forward(True)}
-        margins = {"full": margin, "screen": float("inf"), "chosen": margin}
+        cases = {"full": (False, margin), "screen": (True, float("inf")), "chosen": (True, margin)}  # greedy, margin
         answers = []
         for round_ in range(rounds):
-            for name in list(cases)[round_ % 3:] + list(cases)[:round_ % 3]:
-                choice.margin = margins[name]
-                answers.append(cases[name]())
-                times.setdefault((name, count), []).append(timed(cases[name], calls=5))
+            for name in in_turns(list(cases), round_):
+                greedy, choice.margin = cases[name]
+                answers.append(forward(greedy))
+                times.setdefault((name, count), []).append(timed(lambda: forward(greedy), calls=5))
         assert all(torch.equal(a, answers[0]) for a in answers), f"{count} rows: answers differ"
     choice.margin = margin
     for count in rows:
