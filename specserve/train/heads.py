@@ -5,7 +5,9 @@ head's own outputs of step j - 1 at the same position, with the tokens j further
 real pairs causally plus its own earlier steps at that position only: exactly what a tree node at depth j + 1
 sees when drafting. The step-j output at position t predicts token t + 2 + j, labelled with the target's argmax.
 EAGLE-3 learns by cross-entropy over its draft vocabulary (chosen from the data's token frequencies); EAGLE-1 by
-cross-entropy through the target's lm_head plus regression onto the target's next feature (EAGLE's losses).
+cross-entropy through the target's lm_head plus regression onto the target's next feature (EAGLE's losses), the
+cross-entropy over the lm_head rows of its draft vocabulary where it has one: the rows it is scored by at inference
+(a 262k-row lm_head over every window position would be most of a step's time on a CPU).
 Medusa head i reads the target's final feature at t and predicts token t + 2 + i.
 
 Runs are deterministic given the seed (the windows of step s come from a generator seeded by (seed, s)) and
@@ -138,16 +140,24 @@ def eagle_step_outputs(head: EagleHead, embed_table: torch.Tensor, batch: dict, 
 
 
 class FrozenTarget:
-    """What the EAGLE losses read from the target (embedding table, lm_head), on the training device."""
+    """What the EAGLE losses read from the target (embedding table, lm_head), on the training device. With
+    `vocab` (sorted target ids), logits are over those rows of the lm_head only."""
 
-    def __init__(self, target: LoadedModel, device: torch.device):
+    def __init__(self, target: LoadedModel, device: torch.device, vocab: torch.Tensor | None = None):
         model = target.model
         self.embed_table = model.model.embed_tokens.weight.to(device)
-        self.lm_head_weight = model.lm_head_weight.to(device)
+        weight = model.lm_head_weight
+        self.vocab = None if vocab is None or vocab.numel() >= weight.shape[0] else vocab.to(device)
+        self.lm_head_weight = (weight if self.vocab is None else weight[vocab]).to(device)
+        self.vocab_size = weight.shape[0]
         self.softcap = model.spec.final_logit_softcapping
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return soft_cap(F.linear(hidden, self.lm_head_weight.to(hidden.dtype)).float(), self.softcap)
+
+    def labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target ids as positions in the logits' rows (-100, ignored, outside the vocabulary)."""
+        return labels if self.vocab is None else subset_labels(labels, self.vocab, self.vocab_size)
 
 
 def eagle_loss(head: EagleHead, target: FrozenTarget, batch: dict, steps: int) -> tuple[torch.Tensor, float]:
@@ -162,10 +172,10 @@ def eagle_loss(head: EagleHead, target: FrozenTarget, batch: dict, steps: int) -
             logits = head.lm_head(head.norm(out)).float()
             loss = F.cross_entropy(logits[valid], labels[valid], ignore_index=-100)
         else:
-            logits = target.logits(out)
+            logits, labels = target.logits(out), target.labels(labels)
             feature = shifted(batch["final"], 1 + j).to(out.dtype)
             regression = F.smooth_l1_loss(out[valid].float(), feature[valid].float())
-            loss = 0.1 * F.cross_entropy(logits[valid], labels[valid]) + regression
+            loss = 0.1 * F.cross_entropy(logits[valid], labels[valid], ignore_index=-100) + regression
         total = total + STEP_WEIGHT ** j * loss
         if j == 0:
             accuracy = float((logits[valid].argmax(-1) == labels[valid]).float().mean())
@@ -256,7 +266,8 @@ def train(settings: TrainSettings, target: LoadedModel, records: list[dict], out
     target.model.requires_grad_(False)
     device = training_device()
     module = build_module(settings, target, records, aux_layer_ids).float().to(device).train()
-    frozen = FrozenTarget(target, device) if settings.kind in ("eagle", "eagle3") else None
+    frozen = FrozenTarget(target, device, getattr(module, "train_vocab", None)) \
+        if settings.kind in ("eagle", "eagle3") else None
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
                                   betas=(0.9, 0.95))

@@ -10,7 +10,7 @@ import torch
 
 from specserve.files import PARTIAL_SUFFIX
 from specserve.train.data import build_dataset
-from specserve.train.heads import TrainSettings, build_module, train, write_head
+from specserve.train.heads import FrozenTarget, TrainSettings, build_module, train, write_head
 from specserve.train.run import evaluate
 from tests.conftest import STORY_HELD_OUT
 
@@ -71,3 +71,14 @@ def test_data_directory_refuses_another_target(story_data, loaded):
     _, _, _, directory = story_data
     with pytest.raises(ValueError, match="other settings"):
         build_dataset(loaded("llama"), ["Once upon a time"], directory, max_tokens=64)
+
+
+def test_eagle1_cross_entropy_reads_its_draft_vocabulary_rows(story_data):
+    target = story_data[0]
+    vocab = torch.tensor([3, 10, 50, 200])
+    full, rows = FrozenTarget(target, torch.device("cpu")), FrozenTarget(target, torch.device("cpu"), vocab)
+    hidden = torch.randn(2, 5, target.model.spec.hidden_size)
+    assert rows.logits(hidden).shape[-1] == 4
+    torch.testing.assert_close(rows.logits(hidden), full.logits(hidden)[..., vocab])
+    assert rows.labels(torch.tensor([10, 11, 200])).tolist() == [1, -100, 3]
+    assert full.labels(torch.tensor([10, 11])).tolist() == [10, 11]
