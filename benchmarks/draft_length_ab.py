@@ -5,6 +5,8 @@
 
 Each variant is an engine over the same loaded default model: `fixed:K` drafts K tokens at every step
 (`adaptive_draft_len: false`); `adaptive:K[:N]` chooses up to K per step (the default), N is `prompt_lookup_max`.
+`+KEY=VALUE` after a variant sets one of the method's `speculative_config` keys, e.g. an EAGLE head's weights on the
+kernels: `--method eagle3 --variants adaptive:6,adaptive:6+quantization=int4`.
 Every prompt (128 tokens, greedy) goes through every variant before the next prompt, so a slow phase of the machine
 hits them all. Each engine gets one untimed warm-up request, then forgets what it learnt from it. Outputs are
 checked equal to the first variant's, and each variant's tokens/s is reported relative to the first.
@@ -23,11 +25,14 @@ from specserve.speculative.sampling import SamplingParams
 
 
 def engine_for(target, base: DeploymentConfig, method: str, variant: str):
-    kind, *numbers = variant.split(":")
-    if kind not in ("fixed", "adaptive") or not 1 <= len(numbers) <= 2:
-        raise SystemExit(f"a variant is fixed:K or adaptive:K[:N], got {variant!r}")
+    lengths, *keys = variant.split("+")
+    kind, *numbers = lengths.split(":")
+    if kind not in ("fixed", "adaptive") or not 1 <= len(numbers) <= 2 or not all("=" in key for key in keys):
+        raise SystemExit(f"a variant is fixed:K or adaptive:K[:N], then +KEY=VALUE settings, got {variant!r}")
     spec = base.speculative.with_method(method)
-    settings = {**spec.settings, "prompt_lookup_max": int(numbers[1])} if len(numbers) == 2 else spec.settings
+    settings = {**spec.settings, **dict(key.split("=", 1) for key in keys)}
+    if len(numbers) == 2:
+        settings["prompt_lookup_max"] = int(numbers[1])
     spec = replace(spec, max_draft_len=int(numbers[0]), adaptive_draft_len=kind == "adaptive", settings=settings)
     return build_engine(replace(base, speculative=spec), target)
 
@@ -60,7 +65,7 @@ def main() -> None:
     tokens = sum(map(len, outputs[first]))
     for variant in variants:
         equal = sum(a == b for a, b in zip(outputs[variant], outputs[first]))
-        print(f"{variant:14s} {tokens / seconds[variant]:8.2f} tok/s  {seconds[first] / seconds[variant]:.3f}x "
+        print(f"{variant:28s} {tokens / seconds[variant]:8.2f} tok/s  {seconds[first] / seconds[variant]:.3f}x "
               f"{first}  outputs equal {equal}/{len(prompts)}")
 
 

@@ -43,8 +43,7 @@ from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
-from specserve.speculative.tree import DraftTree
-from specserve.speculative.tree_budget import TreeBudget
+from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
 
@@ -56,14 +55,14 @@ class EagleMethod(SpecMethod):
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
                  verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
-                 suffix: SuffixMethod | None = None, head_quantization: str = "int8",
+                 suffix: SuffixMethod | None = None, head_quantization: str = "int4",
                  draft_vocab: torch.Tensor | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
         `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
         prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead.
-        `head_quantization`: the head's weights on the kernels ("int8" or "none": bf16), eagle_kernels.py.
+        `head_quantization`: the head's weights on the kernels ("int8", "int4" or "none": bf16), eagle_kernels.py.
         `draft_vocab` (EAGLE-1, the head's draft_vocab.json): the target ids its drafts are scored over, through
         those rows of the target's lm_head, instead of the whole vocabulary."""
         if top_k < 1 or total_tokens < 1:
@@ -154,68 +153,6 @@ class EagleMethod(SpecMethod):
 
 # a drafted path the head gives less than this chance (calibrated) adds too few tokens to pay for its row
 MIN_PATH_PROBABILITY = 1e-3
-
-
-class Nodes:
-    """A growing draft tree: node 0 is the root; per node its token, parent, depth, score (cumulative log-prob),
-    the head's output once expanded and its head-cache slot."""
-
-    def __init__(self, root_token: int, root_output: torch.Tensor):
-        self.tokens, self.parents, self.depths, self.scores = [root_token], [-1], [0], [0.0]
-        self.paths: list[tuple[int, ...]] = [()]
-        self.outputs: dict[int, torch.Tensor] = {0: root_output}
-        self.slots: dict[int, int] = {}
-        self.looked_up = 0  # nodes the lookup branch added
-
-    def child(self, parent: int, token: int) -> int | None:
-        return next((c for c in range(1, len(self.tokens)) if self.parents[c] == parent and self.tokens[c] == token),
-                    None)
-
-    def add(self, parent: int, token: int, logp: float, rank: int) -> int:
-        """A head-drafted child; a lookup node with the same token there becomes it (with the better score)."""
-        shared = self.child(parent, token) if self.looked_up else None
-        if shared is not None:
-            self.scores[shared] = max(self.scores[shared], self.scores[parent] + logp)
-            self.paths[shared] = self.paths[parent] + (rank,)
-            self.looked_up -= 1
-            return shared
-        return self._append(parent, token, self.scores[parent] + logp, rank)
-
-    def _append(self, parent: int, token: int, score: float, rank: int) -> int:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.scores.append(score)
-        self.paths.append(self.paths[parent] + (rank,))
-        return len(self.tokens) - 1
-
-    def merge_chain(self, chain: list[int], rate: float, offset: float) -> None:
-        """Hang a lookup chain below the root, sharing nodes that carry the same tokens; its node at depth d
-        scores d * log(rate) - offset (unless the node already scores higher)."""
-        node = 0
-        for depth, token in enumerate(chain, start=1):
-            score = depth * math.log(rate) - offset
-            same = self.child(node, token)
-            if same is not None:
-                node = same
-                self.scores[node] = max(self.scores[node], score)
-            else:
-                node = self._append(node, token, score, -1)
-                self.looked_up += 1
-
-    def ancestors(self, node: int) -> list[int]:
-        out = []
-        while node > 0:
-            out.append(node)
-            node = self.parents[node]
-        return out
-
-    def tree(self, keep: list[int]) -> DraftTree:
-        """The tree of the root and `keep` (closed under parents), ordered by depth then score."""
-        order = [0] + sorted(keep, key=lambda n: (self.depths[n], -self.scores[n]))
-        index = {node: i for i, node in enumerate(order)}
-        return DraftTree(torch.tensor([self.tokens[n] for n in order]),
-                         torch.tensor([-1] + [index[self.parents[n]] for n in order[1:]]))
 
 
 class EagleProposer(Proposer):
@@ -376,8 +313,8 @@ class EagleProposer(Proposer):
             # under measured costs, only the part that can pay is drafted: a 63-node tree whose EAGLE-1 levels run
             # the target's 262k-token lm_head over every expanded node cost ~135 ms a step to draft whole
             floor = self._path_floor()
-            expand = [n for n in expand if nodes.scores[n] >= floor]
-            if not expand or not self.budget.worth_another_level(nodes, expand):
+            expand = self.budget.worth_expanding(nodes, [n for n in expand if nodes.scores[n] >= floor])
+            if not expand:
                 return nodes
             logp = self._run_level(nodes, expand)
             for i, node in enumerate(expand):
@@ -388,7 +325,7 @@ class EagleProposer(Proposer):
 
 # ---- configuration --------------------------------------------------------------------------------------------
 
-HEAD_QUANTIZATIONS = ("int8", "none")
+HEAD_QUANTIZATIONS = ("int8", "int4", "none")
 DYNAMIC_TREE_KEYS = frozenset({"top_k", "depth", "total_token", "max_non_leaves_per_layer", "dynamic_tree_max_topK",
                                "num_eagle_layers", "max_total_draft_tokens"})
 
@@ -408,7 +345,7 @@ class EagleOptions(MethodOptions):
     prompt_lookup_max: int = NGramOptions.prompt_lookup_max  # the branch drafts what prompt lookup alone would
     suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
     suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
-    quantization: str = "int8"  # the head's weights when it drafts on the CPU kernels: int8 or none (bf16)
+    quantization: str = "int4"  # the head's weights when it drafts on the CPU kernels: int4, int8 or none (bf16)
     KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
         "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch", "suffix_branch",
         "quantization", "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to do

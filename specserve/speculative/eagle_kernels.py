@@ -1,10 +1,14 @@
-"""An EAGLE head's drafting forward on the CPU kernels: the decoder layer in one C++ call, weights in int8.
+"""An EAGLE head's drafting forward on the CPU kernels: the decoder layer in one C++ call, weights in int4 or int8.
 
 Drafting runs the head a few times per step, each time over 1-8 rows, right after the target's forward has
 evicted the caches. In PyTorch a head forward is ~60 small ops and nine bf16 GEMM calls: ~4 ms for 26 MB of bf16
 weights that a memory-bound read takes ~1.5 ms for. Here the decoder layers run as the target's do (cpu_kernels'
 `LayerStack`, the layer's fused q/k/v and gate/up projections, rope, attention and norms in one call), the rope
-tables are precomputed, and every linear is packed in int8 blocks of 32 (quant.py), halving the bytes read.
+tables are precomputed, and every linear is packed in int4 (the default) or int8 blocks of 32 (quant.py): a
+quarter or half of the bytes read. A step drafts right after the target's forward has evicted the head's weights
+from the caches, so the bytes set the time: on the default model with the shipped EAGLE-3 head (AVX2), int4 heads
+ran at 1.054x and 1.062x the tokens/s of int8 ones on 20 general questions and 20 HumanEval prompts
+(`benchmarks/draft_length_ab.py`).
 
 The layer maps onto LayerStack's Llama layer as follows (eagle.py has the layouts):
 
@@ -15,7 +19,7 @@ The layer maps onto LayerStack's Llama layer as follows (eagle.py has the layout
 * EAGLE-1: x = fc([embeds, features]); layer 0 reads x itself (it has no input norm), layer i + 1's input norm is
   layer i's next norm, and the outputs go to the target's lm_head unnormed.
 
-Drafts are proposals, never verdicts: int8 weights change which tokens are proposed, not the output, which the
+Drafts are proposals, never verdicts: quantized weights change which tokens are proposed, not the output, which the
 target's verification fixes (the losslessness tests run drafting on this path).
 """
 
@@ -40,7 +44,7 @@ def usable(head: EagleHead) -> bool:
 
 
 def packed(linear: nn.Linear, quantization: str) -> nn.Module:
-    """The linear in `quantization` ("int8") where its shape allows, else itself (bf16)."""
+    """The linear in `quantization` ("int8" or "int4") where its shape allows, else itself (bf16)."""
     if quantization == "none":
         return linear
     try:
@@ -58,7 +62,7 @@ def fused(linears: list[nn.Module]) -> list[nn.Module]:
 
 def target_rows(target_model, ids: torch.Tensor, quantization: str) -> nn.Module:
     """The target's lm_head restricted to the rows `ids` (an EAGLE-1 head's draft vocabulary): a linear whose
-    fp32 outputs are those tokens' logits, in `quantization` ("int8" packed, or "none": the rows' own precision),
+    fp32 outputs are those tokens' logits, in `quantization` ("int8" / "int4" packed, or "none": the rows' own precision),
     soft-capped as the target caps its logits. The full 262k-row lm_head costs an EAGLE-1 level as much as ~half a
     target step; 8k rows cost ~1/30 of it."""
     packed_head = target_model.lm_head_packed
@@ -89,7 +93,7 @@ def fp32_outputs(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class KernelHead:
     """`EagleHead.forward` and its draft logits for inference, on the kernels (see the module docstring)."""
 
-    def __init__(self, head: EagleHead, quantization: str = "int8"):
+    def __init__(self, head: EagleHead, quantization: str = "int4"):
         cfg = head.config
         self.head, self.kind = head, head.kind
         self.eps, self.hidden = cfg.rms_norm_eps, cfg.hidden_size

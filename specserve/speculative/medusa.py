@@ -21,8 +21,7 @@ model take 1 GB. Other Medusa tools read only the full form.
 
 Head i reads the target's final normed hidden state at the last accepted position and predicts the token
 i + 2 positions ahead: the target's own lm_head gives the next token (the tree's root), head 0 the token after
-it (tree depth 1), head i depth i + 1. So `medusa_candidates(...)[d]` is `candidates[d]` of
-`tree.tree_from_choices`.
+it (tree depth 1), head i depth i + 1 (`medusa_draft.MedusaMethod.scored_tree` fills a tree so).
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specserve.speculative.choices import DEFAULT_CHOICES
-from specserve.speculative.tree import DraftTree, tree_from_choices
 from specserve.speculative.weights import (DRAFT_VOCAB_FILE, check_layout, read_draft_vocab, read_weights,
                                            write_draft_vocab, write_weights)
 
@@ -76,13 +73,17 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [num_heads, ..., V] (float32); with a draft vocabulary, [..., V'] over it."""
+        return torch.stack([self.head_logits(hidden, i) for i in range(self.num_heads)])
+
+    def head_logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
+        """Head `index`'s fp32 logits [..., V'] at hidden [..., H]."""
         hidden = hidden.to(self.heads[0][-1].weight.dtype)
-        if self.vocab_subset is None:
-            return torch.stack([head(hidden) for head in self.heads]).float()
-        rows = []
-        for head, weight in zip(self.heads, self._subset_weights):
-            rows.append(torch.nn.functional.linear(head[:-1](hidden), weight))
-        return torch.stack(rows).float()
+        return torch.nn.functional.linear(self.heads[index][:-1](hidden), self.lm_weights[index]).float()
+
+    @property
+    def lm_weights(self) -> list[torch.Tensor]:
+        """Each head's lm_head weight over the rows it scores (the draft vocabulary's, where it has one)."""
+        return self._subset_weights or [head[-1].weight for head in self.heads]
 
     @classmethod
     def compact(cls, hidden_size: int, target_vocab_size: int, token_ids: torch.Tensor, num_heads: int,
@@ -186,23 +187,3 @@ def load_medusa(path, target_hidden_size: int, target_vocab: int,
     if not heads.rows_only:
         heads.restrict_vocab(draft_vocab)
     return heads
-
-
-@torch.inference_mode()
-def medusa_candidates(heads: MedusaHeads, hidden_last: torch.Tensor, topk: int | list[int]) -> list[list[int]]:
-    """Per head, its ranked top-k tokens at the last hidden state [H] (`topk` per head or one for all)."""
-    logits = heads(hidden_last.reshape(-1)[None])[:, 0]  # [num_heads, V] (V': the draft vocabulary)
-    ks = [topk] * heads.num_heads if isinstance(topk, int) else list(topk)
-    ids = [torch.topk(logits[i], min(k, logits.shape[-1])).indices for i, k in enumerate(ks)]
-    if heads.vocab_subset is not None:
-        ids = [heads.vocab_subset[i] for i in ids]
-    return [i.tolist() for i in ids]
-
-
-def medusa_tree(heads: MedusaHeads, hidden_last: torch.Tensor, root_token: int,
-                choices=DEFAULT_CHOICES) -> DraftTree:
-    """The static tree `choices` filled with the heads' candidates (choices deeper than the heads are dropped)."""
-    choices = [c for c in choices if len(c) <= heads.num_heads]
-    depth = max(len(c) for c in choices)
-    ks = [max((c[d] + 1 for c in choices if len(c) > d), default=1) for d in range(depth)]
-    return tree_from_choices(choices, medusa_candidates(heads, hidden_last, ks), root_token)

@@ -1,4 +1,5 @@
-"""The hardware-aware size of a drafted tree: how many of its nodes to verify, and whether to draft another level.
+"""The hardware-aware size of a drafted tree (EAGLE's and Medusa's): how many of its nodes to verify, and whether
+to draft another level.
 
 A node's score is its path's cumulative draft log-probability, so exp(score) estimates the chance the target
 accepts the whole path. With the target's measured verify cost `verify_seconds(n)` the budget keeps the N best
@@ -14,9 +15,75 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+
+from specserve.speculative.tree import DraftTree
+
+
+class Nodes:
+    """A growing draft tree: node 0 is the root; per node its token, parent, depth, score (cumulative log-prob),
+    the head's output once expanded and its head-cache slot."""
+
+    def __init__(self, root_token: int, root_output: torch.Tensor | None):
+        self.tokens, self.parents, self.depths, self.scores = [root_token], [-1], [0], [0.0]
+        self.paths: list[tuple[int, ...]] = [()]
+        self.outputs: dict[int, torch.Tensor] = {0: root_output}
+        self.slots: dict[int, int] = {}
+        self.looked_up = 0  # nodes the lookup branch added
+
+    def child(self, parent: int, token: int) -> int | None:
+        return next((c for c in range(1, len(self.tokens)) if self.parents[c] == parent and self.tokens[c] == token),
+                    None)
+
+    def add(self, parent: int, token: int, logp: float, rank: int) -> int:
+        """A head-drafted child; a lookup node with the same token there becomes it (with the better score)."""
+        shared = self.child(parent, token) if self.looked_up else None
+        if shared is not None:
+            self.scores[shared] = max(self.scores[shared], self.scores[parent] + logp)
+            self.paths[shared] = self.paths[parent] + (rank,)
+            self.looked_up -= 1
+            return shared
+        return self._append(parent, token, self.scores[parent] + logp, rank)
+
+    def _append(self, parent: int, token: int, score: float, rank: int) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        self.paths.append(self.paths[parent] + (rank,))
+        return len(self.tokens) - 1
+
+    def merge_chain(self, chain: list[int], rate: float, offset: float) -> None:
+        """Hang a lookup chain below the root, sharing nodes that carry the same tokens; its node at depth d
+        scores d * log(rate) - offset (unless the node already scores higher)."""
+        node = 0
+        for depth, token in enumerate(chain, start=1):
+            score = depth * math.log(rate) - offset
+            same = self.child(node, token)
+            if same is not None:
+                node = same
+                self.scores[node] = max(self.scores[node], score)
+            else:
+                node = self._append(node, token, score, -1)
+                self.looked_up += 1
+
+    def ancestors(self, node: int) -> list[int]:
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parents[node]
+        return out
+
+    def tree(self, keep: list[int]) -> DraftTree:
+        """The tree of the root and `keep` (closed under parents), ordered by depth then score."""
+        order = [0] + sorted(keep, key=lambda n: (self.depths[n], -self.scores[n]))
+        index = {node: i for i, node in enumerate(order)}
+        return DraftTree(torch.tensor([self.tokens[n] for n in order]),
+                         torch.tensor([-1] + [index[self.parents[n]] for n in order[1:]]))
+
 
 class TreeBudget:
-    """One request's budget; `nodes` is the growing tree (`eagle_draft.Nodes`)."""
+    """One request's budget; `nodes` is the growing tree (`Nodes`)."""
 
     def __init__(self, verify_seconds: Callable[[int], float] | None, top_k: int, total_tokens: int, static: bool):
         self.verify_seconds = verify_seconds
@@ -95,6 +162,14 @@ class TreeBudget:
         table = self.verify_table(len(keep) + len(expand) + 1)
         more_verify = table[-1] - table[len(keep)]
         return gain > rate * (self.level_seconds + more_verify)
+
+    def worth_expanding(self, nodes, candidates: list[int]) -> list[int]:
+        """The best-scoring of `candidates` whose children are worth drafting a level for: the longest prefix by
+        score that `worth_another_level` passes (none: the level does not pay). A static tree's level lists every
+        node with children, most of them too unlikely to pay for a verified child."""
+        ranked = sorted(candidates, key=lambda n: -nodes.scores[n])
+        return next((ranked[:count] for count in range(len(ranked), 0, -1)
+                     if self.worth_another_level(nodes, ranked[:count])), [])
 
     def select(self, nodes) -> list[int]:
         """The nodes to verify: all of a static tree, or (with measured costs) the budget's best closed subtree."""

@@ -19,7 +19,8 @@ from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.models.quant import QuantLinear
 from specserve.speculative.eagle import EagleHead, HeadCache, load_eagle, new_eagle_head, save_eagle
-from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer, Nodes
+from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer
+from specserve.speculative.tree_budget import Nodes
 from specserve.speculative.eagle_kernels import KernelHead
 from specserve.speculative.lookup_branch import LookupBranch
 from specserve.speculative.registry import label, parse_method
@@ -523,7 +524,8 @@ def assert_drafts_and_equals_plain(engine, target) -> None:
 
 @pytest.mark.parametrize("method,knobs", [("eagle", {"eagle_choices": SMALL_CHOICES}),
                                           ("eagle3", {"top_k": 4, "max_total_draft_tokens": 16}),
-                                          ("eagle3", {"quantization": "none"})])
+                                          ("eagle3", {"quantization": "none"}),
+                                          ("eagle3", {"quantization": "int4"})])
 def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint, tmp_path, method, knobs):
     target = load_model(checkpoint("llama"), dtype=torch.bfloat16)
     head = save_random(target, "eagle3" if method == "eagle3" else "eagle", tmp_path / "head")
@@ -542,7 +544,7 @@ def test_eagle1_draft_vocabulary_scores_those_rows_of_the_target_lm_head(checkpo
     head = save_random(target, "eagle", tmp_path / "head")
     vocab = torch.arange(1, target.model.spec.vocab_size, 3)
     write_draft_vocab(head, vocab)
-    engine = engine_for(target, "eagle", head, 3, eagle_choices=SMALL_CHOICES)
+    engine = engine_for(target, "eagle", head, 3, eagle_choices=SMALL_CHOICES, quantization="int8")
     method = engine.method
     assert torch.equal(method.vocab_map, vocab)
     assert isinstance(method.vocab_rows.linear, QuantLinear) == (dtype == torch.bfloat16)  # int8 on the kernels

@@ -9,8 +9,12 @@ import torch
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
-from specserve.speculative.medusa import MedusaHeads
+from specserve.models.loader import load_model
+from specserve.models.quant import QuantLinear
+from specserve.speculative.medusa import MedusaHeads, ResBlock
 from specserve.speculative.medusa_draft import MedusaMethod
+from specserve.speculative.medusa_kernels import KernelMedusa
+from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.sampling import SamplingParams
 from tests.engine.test_batching import run_batched
 from tests.speculative.test_sampling_lossless import follows, sample_three_tokens
@@ -50,6 +54,38 @@ def test_medusa_with_the_default_tree_and_batching(loaded):
     alone = [Engine(target).generate(p, params) for p, params in requests]
     batched = run_batched(BatchEngine(engine, max_batch_size=3), requests)
     assert [batched[i].token_ids for i in range(6)] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_kernel_heads_compute_what_the_pytorch_heads_do(loaded, compact):
+    """int8 heads on the kernels: each bf16 head's logits, to int8 rounding (head 1 through two ResBlocks)."""
+    heads = random_heads(loaded("llama").model, num_heads=3)
+    heads.heads[1].insert(0, ResBlock(heads.hidden_size))  # head 1: two ResBlocks
+    heads = heads.to(torch.bfloat16).eval()
+    if compact:  # as load_medusa does: the draft vocabulary's rows of the bf16 lm_heads
+        heads.restrict_vocab(torch.arange(0, heads.vocab_size, 2))
+    kernels = KernelMedusa(heads)
+    assert all(isinstance(linear, QuantLinear) for linear in kernels.lm_heads + kernels.blocks[1])
+    hidden = torch.randn(heads.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.no_grad():
+        want = heads(hidden[None])[:, 0]
+        got = torch.stack([kernels.head_logits(hidden, i) for i in range(3)])
+    assert got.dtype == torch.float32 and got.shape == want.shape == (3, heads.lm_weights[0].shape[0])
+    for i in range(3):
+        assert (got[i] - want[i]).norm() <= 0.05 * want[i].norm(), i
+
+
+def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint):
+    target = load_model(checkpoint("llama"), dtype=torch.bfloat16)
+    method = MedusaMethod(random_heads(target.model).to(torch.bfloat16), SMALL_CHOICES)
+    assert method.runner is not None
+    params = SamplingParams(max_tokens=24)
+    drafted = 0
+    for prompt in PROMPTS:
+        got = Engine(target, method, 3).generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids, prompt
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
 
 
 def medusa_statistics(loaded):
@@ -113,3 +149,70 @@ def test_typical_acceptance_is_opt_in_and_reported_lossy(loaded, checkpoint, tmp
     assert engine.generate(PROMPTS[0], params).token_ids == Engine(target).generate(PROMPTS[0], params).token_ids
     sampled = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.8, seed=3))
     assert len(sampled.token_ids) > 0
+
+
+def verify_cost(n: float) -> float:
+    return 1.0 + 0.15 * n  # a CPU-like curve: each verified token costs 15% of a plain step
+
+
+def confident_heads(sharpness: float) -> MedusaHeads:
+    """3 heads without ResBlocks whose logits favour token 5 (head 0), 6, 7 by `sharpness` over the other 37."""
+    heads = MedusaHeads(16, 40, num_heads=3, num_layers=0)
+    with torch.no_grad():
+        for i, head in enumerate(heads.heads):
+            head[-1].weight.zero_()
+            head[-1].weight[5 + i, 0] = sharpness
+    return heads.eval()
+
+
+def deepest(tree) -> int:
+    return int(tree.depth.max()) if len(tree.draft) else 0
+
+
+def run_steps(method: MedusaMethod, accepted, steps: int = 30) -> list[int]:
+    """Tree sizes over `steps` steps, the target accepting `accepted(tree)` nodes of each."""
+    proposer = method.new_proposer(SamplingParams(), None, 64)
+    hidden = torch.zeros(1, 16)
+    hidden[0, 0] = 1.0
+    proposer.observe_hidden(hidden)
+    sizes = []
+    for _ in range(steps):
+        tree = proposer.propose([1, 2, 3], 5).tree
+        sizes.append(len(tree.draft))
+        proposer.observe_hidden(hidden.repeat(1 + accepted(tree), 1))
+    return sizes
+
+
+def test_the_heads_confidence_and_the_acceptance_a_request_gets_size_its_trees():
+    confident = MedusaMethod(confident_heads(12.0), verify_seconds=verify_cost)
+    always = run_steps(confident, deepest)
+    assert all(size >= 3 for size in always)  # the sure path to depth 3, every step
+    never = run_steps(confident, lambda tree: 0)
+    assert never[0] >= 3 and never[-1] == 0  # calibrated down by what the target accepts
+    flat = run_steps(MedusaMethod(confident_heads(0.0), verify_seconds=verify_cost), lambda tree: 0, steps=1)
+    assert flat == [0]  # 1/40 a node does not pay for its verification
+    whole = run_steps(MedusaMethod(confident_heads(0.0)), lambda tree: 0, steps=1)  # no costs: the whole tree
+    assert whole == [sum(len(c) <= 3 for c in DEFAULT_CHOICES)]
+
+
+def test_a_budgeted_tree_is_closed_under_parents():
+    method = MedusaMethod(confident_heads(3.0), verify_seconds=lambda n: 1.0 + 0.02 * n)
+    proposer = method.new_proposer(SamplingParams(), None, 64)
+    proposer.observe_hidden(torch.ones(1, 16))
+    tree = proposer.propose([1], 5).tree
+    parents = tree.parents.tolist()
+    assert 1 < len(tree.draft) < 60 and all(parents[i] < i for i in range(1, len(parents)))
+
+
+def test_choices_without_their_parents_are_refused():
+    with pytest.raises(ValueError, match="every prefix"):
+        MedusaMethod(confident_heads(1.0), [[0], [1, 0]])
+
+
+@pytest.mark.parametrize("sharpness,heads_run", [(0.0, {0}), (12.0, {0, 1, 2})])
+def test_a_deeper_head_runs_only_where_its_level_pays(sharpness, heads_run):
+    heads, calls = confident_heads(sharpness), []
+    pytorch_head = heads.head_logits
+    heads.head_logits = lambda hidden, index: calls.append(index) or pytorch_head(hidden, index)
+    run_steps(MedusaMethod(heads, verify_seconds=verify_cost), deepest, steps=3)
+    assert set(calls) == heads_run

@@ -13,7 +13,8 @@ import torch
 import specserve.speculative.verify as verify_module
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.choices import mc_sim_7b_63
-from specserve.speculative.medusa import MedusaHeads, load_medusa, medusa_candidates, medusa_tree, save_medusa
+from specserve.speculative.medusa import MedusaHeads, load_medusa, save_medusa
+from specserve.speculative.medusa_draft import MedusaMethod
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
 from specserve.speculative.tree import Chain, DraftTree, tree_from_choices
 from specserve.speculative.verify import verify
@@ -269,13 +270,18 @@ def test_medusa_round_trip(tmp_path, safetensors, layers):
         if layers == 1:
             torch.testing.assert_close(heads(hidden)[1], manual @ lm.weight.T)
 
-    cands = medusa_candidates(loaded_heads, hidden[0], 4)
-    assert len(cands) == 3 and all(len(c) == 4 for c in cands)
-    with torch.no_grad():
-        assert cands[2] == torch.topk(heads(hidden[0])[2], 4).indices.tolist()
-    tree = medusa_tree(loaded_heads, hidden[0], root_token=9, choices=mc_sim_7b_63)
+    nodes = MedusaMethod(loaded_heads, mc_sim_7b_63).scored_tree(9, hidden[0], depth=loaded_heads.num_heads)
+    tree = nodes.tree(list(range(1, len(nodes.tokens))))
     assert int(tree.tokens[0]) == 9 and int(tree.depth.max()) == 3  # 3 heads: depth-4 choices dropped
-    assert int(tree.tokens[1]) == cands[0][0]
+    assert len(nodes.tokens) - 1 == sum(len(c) <= 3 for c in mc_sim_7b_63)
+    with torch.no_grad():
+        logp = torch.log_softmax(heads(hidden[0]), -1)
+    ranked = torch.topk(logp, 10).indices.tolist()
+    for node in range(1, len(nodes.tokens)):  # node (ranks r_0..r_d) carries head d's rank r_d, scored by the path
+        path, depth = nodes.paths[node], nodes.depths[node]
+        assert nodes.tokens[node] == ranked[depth - 1][path[-1]]
+        want = sum(float(logp[d, ranked[d][r]]) for d, r in enumerate(path))
+        assert abs(nodes.scores[node] - want) < 1e-4
 
 
 def test_compact_medusa_scores_like_the_full_heads_restricted_to_the_draft_vocabulary(tmp_path):
@@ -290,8 +296,10 @@ def test_compact_medusa_scores_like_the_full_heads_restricted_to_the_draft_vocab
     hidden = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(compact(hidden), load_medusa(tmp_path / "full", 16, 40)(hidden), rtol=0, atol=0)
-    assert medusa_candidates(compact, hidden[0], 3) == medusa_candidates(full, hidden[0], 3)
-    assert all(token in (2, 5, 9, 17, 31) for ranked in medusa_candidates(compact, hidden[0], 5) for token in ranked)
+    choices = [[0], [1], [2], [4], [0, 0], [0, 4], [4, 0], [5], [5, 0]]  # rank 5: beyond the 5-token vocabulary
+    trees = [MedusaMethod(h, choices).scored_tree(7, hidden[0], 2) for h in (compact, full)]
+    assert trees[0].tokens == trees[1].tokens and trees[0].scores == trees[1].scores
+    assert len(trees[0].tokens) == 1 + 7 and all(token in (2, 5, 9, 17, 31) for token in trees[0].tokens[1:])
     bf16 = load_medusa(tmp_path / "compact", 16, 40, dtype=torch.bfloat16)
     assert bf16._subset_weights[0].dtype == torch.bfloat16
     (tmp_path / "compact" / "draft_vocab.json").write_text(json.dumps({"token_ids": [1, 2, 3]}))
