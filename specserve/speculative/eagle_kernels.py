@@ -62,9 +62,9 @@ def fused(linears: list[nn.Module]) -> list[nn.Module]:
 
 def target_rows(target_model, ids: torch.Tensor, quantization: str) -> nn.Module:
     """The target's lm_head restricted to the rows `ids` (an EAGLE-1 head's draft vocabulary): a linear whose
-    fp32 outputs are those tokens' logits, in `quantization` ("int8" / "int4" packed, or "none": the rows' own precision),
-    soft-capped as the target caps its logits. The full 262k-row lm_head costs an EAGLE-1 level as much as ~half a
-    target step; 8k rows cost ~1/30 of it."""
+    fp32 outputs are those tokens' logits, in `quantization` ("int4" / "int8" packed, or "none": the rows' own
+    precision), soft-capped as the target caps its logits. The full 262k-row lm_head costs an EAGLE-1 level as much
+    as ~half a target step; 8k rows cost ~1/30 of it."""
     packed_head = target_model.lm_head_packed
     rows = packed_head.rows(ids) if packed_head is not None else target_model.lm_head_weight.detach()[ids].float()
     linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
