@@ -67,9 +67,15 @@ def target_rows(target_model, ids: torch.Tensor, quantization: str) -> nn.Module
     as ~half a target step; 8k rows cost ~1/30 of it."""
     packed_head = target_model.lm_head_packed
     rows = packed_head.rows(ids) if packed_head is not None else target_model.lm_head_weight.detach()[ids].float()
-    linear = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-    linear.weight = nn.Parameter(rows.to(target_model.dtype), requires_grad=False)
+    linear = bias_free_linear(rows.to(target_model.dtype))
     return RowsHead(packed(linear, quantization), target_model.spec.final_logit_softcapping)
+
+
+def bias_free_linear(weight: torch.Tensor) -> nn.Linear:
+    """A frozen nn.Linear over `weight` [N, K] (what `packed` takes), for weights held outside a linear."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
 
 
 class RowsHead(nn.Module):

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.speculative.eagle_kernels import fp32_outputs, packed
+from specserve.speculative.eagle_kernels import bias_free_linear, fp32_outputs, packed
 from specserve.speculative.medusa import MedusaHeads
 
 
@@ -33,13 +32,7 @@ class KernelMedusa:
 
     def __init__(self, heads: MedusaHeads, quantization: str = "int8"):
         self.blocks = [[packed(block.linear, quantization) for block in head[:-1]] for head in heads.heads]
-        self.lm_heads = [packed(self._linear(weight), quantization) for weight in heads.lm_weights]
-
-    @staticmethod
-    def _linear(weight: torch.Tensor) -> nn.Linear:
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        return linear
+        self.lm_heads = [packed(bias_free_linear(weight), quantization) for weight in heads.lm_weights]
 
     def head_logits(self, hidden: torch.Tensor, index: int) -> torch.Tensor:
         """Head `index`'s fp32 logits [V'] at one hidden state [H]."""
