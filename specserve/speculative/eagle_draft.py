@@ -325,7 +325,6 @@ class EagleProposer(Proposer):
 
 # ---- configuration --------------------------------------------------------------------------------------------
 
-HEAD_QUANTIZATIONS = ("int8", "int4", "none")
 DYNAMIC_TREE_KEYS = frozenset({"top_k", "depth", "total_token", "max_non_leaves_per_layer", "dynamic_tree_max_topK",
                                "num_eagle_layers", "max_total_draft_tokens"})
 
@@ -372,13 +371,7 @@ class EagleOptions(MethodOptions):
             out["layers"] = [int_at_least(layer, "eagle3_layers_to_capture", 1) for layer in layers]
         if "prompt_lookup_branch" in settings:
             out["lookup_branch"] = flag(settings["prompt_lookup_branch"], "prompt_lookup_branch")
-        if "quantization" in settings:  # vLLM's speculative_config key for the draft's weights
-            value = settings["quantization"] or "none"
-            if value not in HEAD_QUANTIZATIONS:
-                raise ConfigError(f"quantization {value!r} for an EAGLE head: use one of "
-                                  f"{', '.join(HEAD_QUANTIZATIONS)}")
-            out["quantization"] = value
-        return out
+        return {**out, **eagle_kernels.read_quantization(settings, "an EAGLE head")}
 
     def check(self) -> None:
         if self.lookup_branch:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.checks import ConfigError
 from specserve.models import cpu_kernels, quant
 from specserve.models.kernel_forward import stack_linear
 from specserve.models.quant import FusedQuantLinear, QuantizationError, QuantLinear, quantize_linear
@@ -41,6 +42,20 @@ def usable(head: EagleHead) -> bool:
     weight = head.fc.weight
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and head.config.head_dim % 16 == 0
             and cpu_kernels.available())
+
+
+HEAD_QUANTIZATIONS = ("int8", "int4", "none")
+
+
+def read_quantization(settings: dict, heads: str) -> dict:
+    """{"quantization": value} from a config's `quantization` (vLLM's speculative_config key for the draft's
+    weights; None means "none"), checked; {} where the config has none. `heads` names them in the error."""
+    if "quantization" not in settings:
+        return {}
+    value = settings["quantization"] or "none"
+    if value not in HEAD_QUANTIZATIONS:
+        raise ConfigError(f"quantization {value!r} for {heads}: use one of {', '.join(HEAD_QUANTIZATIONS)}")
+    return {"quantization": value}
 
 
 def packed(linear: nn.Linear, quantization: str) -> nn.Module:

@@ -23,6 +23,7 @@ from specserve.models.loader import LoadedModel
 from specserve.speculative import medusa_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
+from specserve.speculative.eagle_kernels import read_quantization
 from specserve.speculative.medusa import MedusaHeads, load_medusa
 from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.verify import TypicalAcceptance
@@ -56,9 +57,10 @@ class MedusaMethod(SpecMethod):
     drafts_trees = True
 
     def __init__(self, heads: MedusaHeads, choices=DEFAULT_CHOICES, typical: TypicalAcceptance | None = None,
-                 verify_seconds=None):
+                 verify_seconds=None, head_quantization: str = "int4"):
         """`verify_seconds(n)`: the target's measured cost of verifying n tokens; given, each step verifies only
-        the nodes that pay (None: the whole tree)."""
+        the nodes that pay (None: the whole tree). `head_quantization`: the heads' weights on the kernels ("int8",
+        "int4" or "none": bf16), medusa_kernels.py."""
         self.heads = heads
         self.paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
         lacking = [list(c) for c in self.paths if not c or min(c) < 0 or (len(c) > 1 and c[:-1] not in self.paths)]
@@ -68,7 +70,8 @@ class MedusaMethod(SpecMethod):
         self.typical = typical
         self.lossless = typical is None
         self.verify_seconds = verify_seconds
-        self.runner = medusa_kernels.KernelMedusa(heads) if medusa_kernels.usable(heads) else None
+        usable = medusa_kernels.usable(heads)
+        self.runner = medusa_kernels.KernelMedusa(heads, head_quantization) if usable else None
 
     def draft_slots(self, max_draft_len: int) -> int:
         return 1 + sum(len(c) <= max_draft_len for c in self.paths)
@@ -117,13 +120,14 @@ class MedusaMethod(SpecMethod):
 class MedusaOptions(MethodOptions):
     choices: list[list[int]] | None = None  # medusa_choices; None: mc_sim_7b_63
     typical: TypicalAcceptance | None = None  # typical_acceptance (posterior_threshold, posterior_alpha): lossy
+    quantization: str = "int4"  # the heads' weights when they draft on the CPU kernels: int4, int8 or none (bf16)
     KEYS: ClassVar[frozenset[str]] = frozenset({"medusa_choices", "typical_acceptance", "posterior_threshold",
-                                                "posterior_alpha"})
+                                                "posterior_alpha", "quantization"})
     EXCLUSIVE: ClassVar[dict[str, str]] = {"typical_acceptance": "Medusa (decoding_type: Medusa)"}
 
     @classmethod
     def read(cls, settings: dict) -> dict:
-        out = {"choices": settings.get("medusa_choices")}
+        out = {"choices": settings.get("medusa_choices"), **read_quantization(settings, "Medusa heads")}
         if settings.get("typical_acceptance"):
             default = TypicalAcceptance()
             out["typical"] = TypicalAcceptance(float(settings.get("posterior_threshold", default.threshold)),
@@ -136,7 +140,8 @@ def build(options: MedusaOptions, target: LoadedModel) -> MedusaMethod:
     try:
         heads = load_medusa(options.model, spec.hidden_size, spec.vocab_size, dtype=target.model.dtype)
         verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
-        return MedusaMethod(heads, options.choices or DEFAULT_CHOICES, options.typical, verify_seconds)
+        return MedusaMethod(heads, options.choices or DEFAULT_CHOICES, options.typical, verify_seconds,
+                            options.quantization)
     except (ValueError, TypeError, OSError) as exc:
         raise ConfigError(f"cannot use Medusa heads {options.model}: {exc}") from None
 

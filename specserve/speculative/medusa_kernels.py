@@ -1,14 +1,16 @@
-"""Medusa heads' drafting forward on the CPU kernels: every linear in int8 blocks, only the heads a tree reaches.
+"""Medusa heads' drafting forward on the CPU kernels: every linear in int4 blocks (or int8, `quantization`), only
+the heads a tree reaches.
 
 A step drafts from one hidden state (the target's last), so each head is a chain of one-row products: its
 ResBlocks (x + SiLU(W x + b)) and its lm_head over the draft vocabulary. In PyTorch these are bf16 GEMMs, which a
 CPU without bf16 units emulates: the three shipped heads (6,144-row lm_heads) took ~4 ms a step on an AVX2 CPU,
-a fifth of a target step. Here each linear is packed in int8 blocks of 32 (quant.py) and runs as one kernel call
-with fp32 outputs, the SiLU and residual in fp32, and a step runs a head only where the tree budget finds its level
-worth drafting (`medusa_draft.py`).
+a fifth of a target step. Here each linear is packed in blocks of 32 (quant.py) and runs as one kernel call with
+fp32 outputs, the SiLU and residual in fp32, and a step runs a head only where the tree budget finds its level
+worth drafting (`medusa_draft.py`). A step drafts right after the target's forward has evicted the heads from the
+caches, so their bytes set the time: int4 is the default, as for EAGLE heads (eagle_kernels.py).
 
-Drafts are proposals, never verdicts: int8 weights change which tokens are proposed, not the output, which the
-target's verification fixes (the losslessness tests draft on this path).
+Drafts are proposals, never verdicts: quantized weights change which tokens are proposed, not the output, which
+the target's verification fixes (the losslessness tests draft on this path).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def usable(heads: MedusaHeads) -> bool:
 class KernelMedusa:
     """`MedusaHeads.head_logits` on the kernels."""
 
-    def __init__(self, heads: MedusaHeads, quantization: str = "int8"):
+    def __init__(self, heads: MedusaHeads, quantization: str = "int4"):
         self.blocks = [[packed(block.linear, quantization) for block in head[:-1]] for head in heads.heads]
         self.lm_heads = [packed(bias_free_linear(weight), quantization) for weight in heads.lm_weights]
 

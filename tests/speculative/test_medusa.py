@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve.checks import ConfigError
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.models.quant import QuantLinear
 from specserve.speculative.medusa import MedusaHeads, ResBlock
-from specserve.speculative.medusa_draft import MedusaMethod
+from specserve.speculative.medusa_draft import MedusaMethod, MedusaOptions
 from specserve.speculative.medusa_kernels import KernelMedusa
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.sampling import SamplingParams
@@ -57,14 +58,15 @@ def test_medusa_with_the_default_tree_and_batching(loaded):
 
 
 @pytest.mark.parametrize("compact", [False, True])
-def test_kernel_heads_compute_what_the_pytorch_heads_do(loaded, compact):
-    """int8 heads on the kernels: each bf16 head's logits, to int8 rounding (head 1 through two ResBlocks)."""
+@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.2)])
+def test_kernel_heads_compute_what_the_pytorch_heads_do(loaded, compact, quantization, tolerance):
+    """Quantized heads on the kernels: each bf16 head's logits, to their rounding (head 1 through two ResBlocks)."""
     heads = random_heads(loaded("llama").model, num_heads=3)
     heads.heads[1].insert(0, ResBlock(heads.hidden_size))  # head 1: two ResBlocks
     heads = heads.to(torch.bfloat16).eval()
     if compact:  # as load_medusa does: the draft vocabulary's rows of the bf16 lm_heads
         heads.restrict_vocab(torch.arange(0, heads.vocab_size, 2))
-    kernels = KernelMedusa(heads)
+    kernels = KernelMedusa(heads, quantization)
     assert all(isinstance(linear, QuantLinear) for linear in kernels.lm_heads + kernels.blocks[1])
     hidden = torch.randn(heads.hidden_size, generator=torch.Generator().manual_seed(4)).bfloat16()
     with torch.no_grad():
@@ -72,7 +74,7 @@ def test_kernel_heads_compute_what_the_pytorch_heads_do(loaded, compact):
         got = torch.stack([kernels.head_logits(hidden, i) for i in range(3)])
     assert got.dtype == torch.float32 and got.shape == want.shape == (3, heads.lm_weights[0].shape[0])
     for i in range(3):
-        assert (got[i] - want[i]).norm() <= 0.05 * want[i].norm(), i
+        assert (got[i] - want[i]).norm() <= tolerance * want[i].norm(), i
 
 
 def test_greedy_equals_plain_drafting_on_the_kernels(checkpoint):
@@ -216,3 +218,15 @@ def test_a_deeper_head_runs_only_where_its_level_pays(sharpness, heads_run):
     heads.head_logits = lambda hidden, index: calls.append(index) or pytorch_head(hidden, index)
     run_steps(MedusaMethod(heads, verify_seconds=verify_cost), deepest, steps=3)
     assert set(calls) == heads_run
+
+
+def test_head_quantization_setting(loaded):
+    assert MedusaOptions.read({"quantization": "int8"})["quantization"] == "int8"
+    assert MedusaOptions.read({"quantization": None})["quantization"] == "none"
+    assert MedusaOptions.read({}).get("quantization", MedusaOptions.quantization) == "int4"
+    with pytest.raises(ConfigError, match="quantization 'fp8' for Medusa heads"):
+        MedusaOptions.read({"quantization": "fp8"})
+    heads = random_heads(loaded("llama").model, num_heads=2).to(torch.bfloat16).eval()
+    for quantization in ("int8", "int4"):
+        runner = MedusaMethod(heads, SMALL_CHOICES, head_quantization=quantization).runner
+        assert {linear.packed.kind for linear in runner.lm_heads} == {quantization}
