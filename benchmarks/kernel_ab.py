@@ -14,8 +14,8 @@ decided: docs/design-notes.md).
 requests of one row each, a 64-token prefill forward, the lm_head alone at 1, 5 and 8 rows, and the greedy screen
 (`screen_argmax`) at 1 and 8 rows of a real text's final states; the logits of a 64-token forward checked
 bit-identical. Only for a quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
-`linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q5_0, Q4_K,
-Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
+`linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q4_0, Q5_0,
+Q4_K, Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
 reports the least time of all calls: on this VM stolen time only adds, and the median moved by 20% between builds
 of identical code. Outputs checked bit-identical.
 `engine`: the first N general questions and N HumanEval prompts (128 tokens, greedy) through `Engine.generate` of
@@ -157,8 +157,8 @@ def forward_cases(other, rounds: int) -> None:
     use("this")
 
 
-LINEAR_FORMATS = ((5, 32, 16, False, "Q5_0"), (4, 32, 0, True, "Q4_K"), (6, 16, 32, False, "Q6_K"),
-                  (8, 32, 128, False, "Q8_0"))  # bits, group, zero, offsets, name
+LINEAR_FORMATS = ((4, 32, 8, False, "Q4_0"), (5, 32, 16, False, "Q5_0"), (4, 32, 0, True, "Q4_K"),
+                  (6, 16, 32, False, "Q6_K"), (8, 32, 128, False, "Q8_0"))  # bits, group, zero, offsets, name
 
 
 def linear_cases(other, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)) -> None:

@@ -1,0 +1,133 @@
+"""What the AVX2 multi-row tiles' instruction mix can reach on this CPU: int8 multiply-adds per second of loops
+that do nothing but the tiles' inner work, on one thread and on all threads at once.
+
+    python benchmarks/avx2_mix_ceiling.py [--seconds 1.0]
+
+A row of an AVX2 tile (quant_linear.cpp) spends per group of four inputs one VPBROADCASTD of its activation codes,
+one VPMADDUBSW (32 multiply-adds: 8 outputs x 4 inputs) and one VPADDW into its int16 run; the widening, the fp32
+tail and the weight decoding come on top. The loops (inline assembly, register operands where the tiles have them,
+no other work):
+
+    maddubs              VPMADDUBSW alone, 8 independent chains (what `--step-costs` reads as the int8 peak)
+    maddubs+add          VPMADDUBSW then VPADDW into 8 accumulators
+    broadcast+maddubs+add  the same with each product's codes broadcast from memory, as every tile row does
+
+These bound what the tiles can reach from above. For scale, the last line prints the rate a 1B-shaped model's
+8-token forward (~8.5 G multiply-adds) needs to take at most 1.3x its one-token step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kMacsPerRound = 8 * 32;  // 8 VPMADDUBSW of 32 multiply-adds
+#define YMM_CLOBBERS "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
+    "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory"
+alignas(64) int32_t codes[64 * 8];
+
+void maddubs(int64_t rounds) {
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile(
+        "vpmaddubsw %%ymm15, %%ymm0, %%ymm0\n vpmaddubsw %%ymm15, %%ymm1, %%ymm1\n"
+        "vpmaddubsw %%ymm15, %%ymm2, %%ymm2\n vpmaddubsw %%ymm15, %%ymm3, %%ymm3\n"
+        "vpmaddubsw %%ymm15, %%ymm4, %%ymm4\n vpmaddubsw %%ymm15, %%ymm5, %%ymm5\n"
+        "vpmaddubsw %%ymm15, %%ymm6, %%ymm6\n vpmaddubsw %%ymm15, %%ymm7, %%ymm7\n" ::: YMM_CLOBBERS);
+}
+
+void maddubs_add(int64_t rounds) {
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile(
+        "vpmaddubsw %%ymm14, %%ymm15, %%ymm0\n vpaddw %%ymm0, %%ymm8, %%ymm8\n"
+        "vpmaddubsw %%ymm13, %%ymm15, %%ymm1\n vpaddw %%ymm1, %%ymm9, %%ymm9\n"
+        "vpmaddubsw %%ymm14, %%ymm12, %%ymm2\n vpaddw %%ymm2, %%ymm10, %%ymm10\n"
+        "vpmaddubsw %%ymm13, %%ymm12, %%ymm3\n vpaddw %%ymm3, %%ymm11, %%ymm11\n"
+        "vpmaddubsw %%ymm14, %%ymm15, %%ymm4\n vpaddw %%ymm4, %%ymm8, %%ymm8\n"
+        "vpmaddubsw %%ymm13, %%ymm15, %%ymm5\n vpaddw %%ymm5, %%ymm9, %%ymm9\n"
+        "vpmaddubsw %%ymm14, %%ymm12, %%ymm6\n vpaddw %%ymm6, %%ymm10, %%ymm10\n"
+        "vpmaddubsw %%ymm13, %%ymm12, %%ymm7\n vpaddw %%ymm7, %%ymm11, %%ymm11\n" ::: YMM_CLOBBERS);
+}
+
+void broadcast_maddubs_add(int64_t rounds) {
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile(
+        "vpbroadcastd (%0), %%ymm0\n vpmaddubsw %%ymm0, %%ymm15, %%ymm0\n vpaddw %%ymm0, %%ymm8, %%ymm8\n"
+        "vpbroadcastd 4(%0), %%ymm1\n vpmaddubsw %%ymm1, %%ymm14, %%ymm1\n vpaddw %%ymm1, %%ymm9, %%ymm9\n"
+        "vpbroadcastd 8(%0), %%ymm2\n vpmaddubsw %%ymm2, %%ymm13, %%ymm2\n vpaddw %%ymm2, %%ymm10, %%ymm10\n"
+        "vpbroadcastd 12(%0), %%ymm3\n vpmaddubsw %%ymm3, %%ymm12, %%ymm3\n vpaddw %%ymm3, %%ymm11, %%ymm11\n"
+        "vpbroadcastd 16(%0), %%ymm4\n vpmaddubsw %%ymm4, %%ymm15, %%ymm4\n vpaddw %%ymm4, %%ymm8, %%ymm8\n"
+        "vpbroadcastd 20(%0), %%ymm5\n vpmaddubsw %%ymm5, %%ymm14, %%ymm5\n vpaddw %%ymm5, %%ymm9, %%ymm9\n"
+        "vpbroadcastd 24(%0), %%ymm6\n vpmaddubsw %%ymm6, %%ymm13, %%ymm6\n vpaddw %%ymm6, %%ymm10, %%ymm10\n"
+        "vpbroadcastd 28(%0), %%ymm7\n vpmaddubsw %%ymm7, %%ymm12, %%ymm7\n vpaddw %%ymm7, %%ymm11, %%ymm11\n"
+        :: "r"(codes + (r & 63) * 8) : YMM_CLOBBERS);
+}
+
+// Multiply-adds per second of `loop` on `threads` threads started together (the best of a few runs).
+double rate(const std::string& name, int64_t threads, double seconds) {
+  void (*loop)(int64_t) = name == "maddubs" ? maddubs : name == "maddubs+add" ? maddubs_add : broadcast_maddubs_add;
+  TORCH_CHECK(name == "maddubs" || name == "maddubs+add" || name == "broadcast+maddubs+add", "unknown loop ", name);
+  const int64_t rounds = 1 << 20;
+  double best = 0.0;
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+       std::chrono::steady_clock::now() < until;) {
+    std::atomic<int64_t> ready{0};
+    std::vector<std::thread> pool;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t t = 0; t < threads; ++t)
+      pool.emplace_back([&] {
+        ready.fetch_add(1);
+        while (ready.load() < threads) {
+        }
+        loop(rounds);
+      });
+    for (auto& thread : pool) thread.join();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, double(threads) * rounds * kMacsPerRound / elapsed);
+  }
+  return best;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rate", &rate, "int8 multiply-adds per second of one of the loops on `threads` threads at once");
+}
+"""
+
+LOOPS = ("maddubs", "maddubs+add", "broadcast+maddubs+add")
+ONE_B_MACS_8_TOKENS = 8.5e9  # Llama-3.2-1B's shape, 8 tokens (docs/benchmarks.md)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per loop and thread count")
+    parser.add_argument("--one-token-ms", type=float, default=35.4,
+                        help="the 1B shape's one-token step here (docs/benchmarks.md), for the last line")
+    args = parser.parse_args()
+    if "avx2" not in open("/proc/cpuinfo").read():
+        raise SystemExit("this CPU has no AVX2")
+    module = load_inline("avx2_mix_ceiling", cpp_sources=[SOURCE], extra_cflags=["-O2", "-mavx2"],
+                         build_directory=tempfile.mkdtemp(prefix="avx2_mix_"))
+    threads = torch.get_num_threads()
+    print(f"{'loop':<24} {'1 thread':>12} {f'{threads} threads':>12}   (G multiply-adds/s)")
+    for loop in LOOPS:
+        one, all_ = (module.rate(loop, n, args.seconds) / 1e9 for n in (1, threads))
+        print(f"{loop:<24} {one:>12.1f} {all_:>12.1f}")
+    needed = ONE_B_MACS_8_TOKENS / (1.3 * args.one_token_ms / 1e3) / 1e9
+    print(f"the 1B shape's 8 tokens within 1.3x a {args.one_token_ms} ms token: {needed:.0f} G/s for the whole forward")
+
+
+if __name__ == "__main__":
+    main()
