@@ -12,7 +12,7 @@ decided: docs/design-notes.md).
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
 `forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, 8
 requests of one row each, a 64-token prefill forward, the lm_head alone at 1, 5 and 8 rows, and the greedy screen
-(`screen_argmax`) at 1 and 8 rows of a real text's final states; the logits of a 64-token forward checked
+(`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits of a 64-token forward checked
 bit-identical. Only for a quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
 `linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q4_0, Q5_0,
 Q4_K, Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
@@ -136,13 +136,14 @@ def forward_cases(other, rounds: int) -> None:
         hidden = torch.randn(rows, model.spec.hidden_size).bfloat16()
         cases[f"lm_head {rows} rows"] = lambda hidden=hidden: model.logits(hidden, True)
     # a real text's final states: on random ones the screen would keep nearly every tile
-    states = final_states(model, loaded.tokenizer, 28)
+    states = final_states(model, loaded.tokenizer, 64)
 
     def screen(hidden: torch.Tensor) -> torch.Tensor:
         return quant.screen_argmax(hidden, model.lm_head_packed, model.greedy_screen)
 
-    for rows in (1, 8):
-        cases[f"greedy screen {rows} rows"] = lambda hidden=states[20:20 + rows]: screen(hidden)
+    for rows in (1, 8, 64):
+        start = min(20, len(states) - rows)
+        cases[f"greedy screen {rows} rows"] = lambda hidden=states[start:start + rows]: screen(hidden)
     logits, choices = {}, {}
     for name in ("other", "this"):
         use(name)

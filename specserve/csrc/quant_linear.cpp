@@ -165,9 +165,11 @@ void tile_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int m
 }
 
 // screen_argmax's bounds of one tile for mr rows from m0 (the math is there), from the screen's own products a
-// ([mr][16]: quant_linear's numbers for the 5-bit weight, i.e. A / 8): mid = 8 a + center and rad. Writes each
-// output's upper bound mid + rad * slack to top ([mr][16]); raises lower[m] to the row's best lower bound
-// mid - rad * slack over the tile's first `count` outputs, and sets broken[m] where a bound is not finite.
+// ([mr][16]: quant_linear's numbers for the 5-bit weight, i.e. A / 8): mid = 8 a + center and rad. Writes the
+// largest upper bound mid + rad * slack of the tile's first `count` outputs to top[m - m0] (a tile is a candidate
+// for row m where it reaches the row's best lower bound: one number a row, not 16); raises lower[m] to the row's
+// best lower bound mid - rad * slack over those outputs, and sets broken[m] where a bound is not finite (such a
+// row computes every tile, whatever top holds).
 struct ScreenFold {
   float slack;
   float* lower;  // [M]
@@ -175,13 +177,14 @@ struct ScreenFold {
 };
 
 inline void fold_output(const ScreenFold& fold, int64_t m, float center, float radius, float* top) {
-  *top = std::fma(radius, fold.slack, center);
+  *top = std::max(*top, std::fma(radius, fold.slack, center));
   if (!std::isfinite(center) || !std::isfinite(radius)) fold.broken[m] = 1;
   else fold.lower[m] = std::max(fold.lower[m], std::fma(-radius, fold.slack, center));
 }
 
 void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int mr, const float* a, int count,
                           const ScreenFold& fold, float* top) {
+  for (int i = 0; i < mr; ++i) top[i] = -INFINITY;
   for (int i = 0; i < mr; ++i)
     for (int n = 0; n < count; ++n) {
       float center = 0.f, radius = 0.f;
@@ -191,7 +194,7 @@ void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t 
         center = std::fma(s, X.center[b], center);
         radius = std::fma(std::fabs(s), X.radius[b], radius);
       }
-      fold_output(fold, m0 + i, std::fma(a[i * kTile + n], 8.f, center), radius, top + i * kTile + n);
+      fold_output(fold, m0 + i, std::fma(a[i * kTile + n], 8.f, center), radius, top + i);
     }
 }
 
@@ -494,10 +497,10 @@ SPECSERVE_AVX2 inline void screen_bounds_rows_avx2(const Packed& W, const Acts& 
     }
   }
   for (int i = 0; i < R; ++i) {
-    __m256 best = _mm256_set1_ps(-INFINITY), checks = _mm256_setzero_ps();
+    __m256 best = _mm256_set1_ps(-INFINITY), highest = best, checks = _mm256_setzero_ps();
     for (int h = 0; h < 2; ++h) {
       const __m256 c = _mm256_fmadd_ps(_mm256_loadu_ps(a + i * kTile + 8 * h), eight, center[i][h]);
-      _mm256_storeu_ps(top + i * kTile + 8 * h, _mm256_fmadd_ps(radius[i][h], slack, c));
+      highest = _mm256_max_ps(_mm256_fmadd_ps(radius[i][h], slack, c), highest);  // a NaN bound is skipped
       best = _mm256_max_ps(best, _mm256_fnmadd_ps(radius[i][h], slack, c));
       // c * 0 + r * 0 is NaN exactly where c or r is not finite
       checks = _mm256_add_ps(checks, _mm256_add_ps(_mm256_mul_ps(c, _mm256_setzero_ps()),
@@ -510,6 +513,9 @@ SPECSERVE_AVX2 inline void screen_bounds_rows_avx2(const Packed& W, const Acts& 
       if (nan[j] != 0.f) fold.broken[m + i] = 1;  // NaN compares unequal to 0
       fold.lower[m + i] = std::max(fold.lower[m + i], lanes[j]);
     }
+    __m128 high = _mm_max_ps(_mm256_castps256_ps128(highest), _mm256_extractf128_ps(highest, 1));
+    high = _mm_max_ps(high, _mm_movehl_ps(high, high));
+    top[i] = _mm_cvtss_f32(_mm_max_ss(high, _mm_movehdup_ps(high)));
   }
 }
 
@@ -517,16 +523,8 @@ SPECSERVE_AVX2 inline void screen_bounds_rows_avx2(const Packed& W, const Acts& 
 SPECSERVE_AVX2 void screen_bounds_avx2(const Packed& W, const Acts& X, int64_t tile, int64_t m0, int mr, const float* a,
                                        const ScreenFold& fold, float* top) {
   int i = 0;
-  for (; i + 2 <= mr; i += 2) screen_bounds_rows_avx2<2>(W, X, tile, m0 + i, a + i * kTile, fold, top + i * kTile);
-  if (i < mr) screen_bounds_rows_avx2<1>(W, X, tile, m0 + i, a + i * kTile, fold, top + i * kTile);
-}
-
-// Whether any of a full tile's upper bounds top[16] reaches the row's lower bound.
-SPECSERVE_AVX2 bool reaches_avx2(const float* top, float lower) {
-  const __m256 floor = _mm256_set1_ps(lower);
-  const __m256 reached = _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(top), floor, _CMP_GE_OQ),
-                                      _mm256_cmp_ps(_mm256_loadu_ps(top + 8), floor, _CMP_GE_OQ));
-  return _mm256_movemask_ps(reached) != 0;
+  for (; i + 2 <= mr; i += 2) screen_bounds_rows_avx2<2>(W, X, tile, m0 + i, a + i * kTile, fold, top + i);
+  if (i < mr) screen_bounds_rows_avx2<1>(W, X, tile, m0 + i, a + i * kTile, fold, top + i);
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -1028,9 +1026,9 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   const int64_t decoded_blocks = screen_once.decode ? S.kblocks : 0;
   const auto count = [&](int64_t tile) { return int(std::min<int64_t>(kTile, N - tile * kTile)); };
 
-  // each output's upper bound ([tile][m][16]; left uninitialized, as every output's is written before it is read:
-  // zeroing it cost a pass over 8 MB at 8 rows), and each row's best lower bound and non-finite flag per thread
-  const std::unique_ptr<float[]> top(new float[W.tiles * M * kTile]);
+  // each tile's largest upper bound per row ([tile][m]; every one is written before it is read), and each row's
+  // best lower bound and non-finite flag per thread
+  const std::unique_ptr<float[]> top(new float[W.tiles * M]);
   std::vector<float> lower(threads * M, -INFINITY);
   split_items(W.tiles, [&](const auto& next) {
     const ScreenFold fold{slack, lower.data() + at::get_thread_num() * M, bad.data() + at::get_thread_num() * M};
@@ -1041,7 +1039,7 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
       if (screen_once.decode) screen_once.decode(S, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-        float* bounds = top.get() + (tile * M + m0) * kTile;
+        float* bounds = top.get() + tile * M + m0;
         run_tile(screen_fns, screen_once, S, X, tile, m0, mr, block, decoded);
         if (vector_bounds && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
         else screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
@@ -1056,17 +1054,8 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
 
   // which rows have candidates in which tiles ([tile][m])
   std::vector<char> wants(W.tiles * M, 0);
-  specserve::parallel_for(0, W.tiles, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile)
-      for (int64_t m = 0; m < M; ++m) {
-        const float* bounds = top.get() + (tile * M + m) * kTile;
-        bool any = bad[m] != 0;
-        if (!any && vector_bounds && count(tile) == kTile) any = reaches_avx2(bounds, lower[m]);
-        else
-          for (int j = 0; j < count(tile) && !any; ++j) any = bounds[j] >= lower[m];
-        wants[tile * M + m] = any;
-      }
-  });
+  for (int64_t tile = 0; tile < W.tiles; ++tile)
+    for (int64_t m = 0; m < M; ++m) wants[tile * M + m] = bad[m] != 0 || top[tile * M + m] >= lower[m];
   std::vector<int64_t> candidates;
   for (int64_t tile = 0; tile < W.tiles; ++tile)
     if (std::any_of(&wants[tile * M], &wants[tile * M] + M, [](char w) { return w != 0; })) candidates.push_back(tile);
