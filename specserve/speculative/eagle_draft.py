@@ -55,7 +55,8 @@ class EagleMethod(SpecMethod):
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
                  verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
-                 suffix: SuffixMethod | None = None, head_quantization: str = "int4",
+                 suffix: SuffixMethod | None = None,
+                 head_quantization: str = eagle_kernels.DEFAULT_HEAD_QUANTIZATION,
                  draft_vocab: torch.Tensor | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
@@ -344,7 +345,8 @@ class EagleOptions(MethodOptions):
     prompt_lookup_max: int = NGramOptions.prompt_lookup_max  # the branch drafts what prompt lookup alone would
     suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
     suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
-    quantization: str = "int4"  # the head's weights when it drafts on the CPU kernels: int4, int8 or none (bf16)
+    # the head's weights when it drafts on the CPU kernels: int4, int8 or none (bf16)
+    quantization: str = eagle_kernels.DEFAULT_HEAD_QUANTIZATION
     KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
         "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch", "suffix_branch",
         "quantization", "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to do

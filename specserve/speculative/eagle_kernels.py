@@ -45,6 +45,7 @@ def usable(head: EagleHead) -> bool:
 
 
 HEAD_QUANTIZATIONS = ("int8", "int4", "none")
+DEFAULT_HEAD_QUANTIZATION = "int4"  # a head's bytes set its drafting time (module docstring)
 
 
 def read_quantization(settings: dict, heads: str) -> dict:
@@ -114,7 +115,7 @@ def fp32_outputs(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class KernelHead:
     """`EagleHead.forward` and its draft logits for inference, on the kernels (see the module docstring)."""
 
-    def __init__(self, head: EagleHead, quantization: str = "int4"):
+    def __init__(self, head: EagleHead, quantization: str = DEFAULT_HEAD_QUANTIZATION):
         cfg = head.config
         self.head, self.kind = head, head.kind
         self.eps, self.hidden = cfg.rms_norm_eps, cfg.hidden_size

@@ -23,7 +23,7 @@ from specserve.models.loader import LoadedModel
 from specserve.speculative import medusa_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
-from specserve.speculative.eagle_kernels import read_quantization
+from specserve.speculative.eagle_kernels import DEFAULT_HEAD_QUANTIZATION, read_quantization
 from specserve.speculative.medusa import MedusaHeads, load_medusa
 from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.verify import TypicalAcceptance
@@ -57,7 +57,7 @@ class MedusaMethod(SpecMethod):
     drafts_trees = True
 
     def __init__(self, heads: MedusaHeads, choices=DEFAULT_CHOICES, typical: TypicalAcceptance | None = None,
-                 verify_seconds=None, head_quantization: str = "int4"):
+                 verify_seconds=None, head_quantization: str = DEFAULT_HEAD_QUANTIZATION):
         """`verify_seconds(n)`: the target's measured cost of verifying n tokens; given, each step verifies only
         the nodes that pay (None: the whole tree). `head_quantization`: the heads' weights on the kernels ("int8",
         "int4" or "none": bf16), medusa_kernels.py."""
@@ -120,7 +120,8 @@ class MedusaMethod(SpecMethod):
 class MedusaOptions(MethodOptions):
     choices: list[list[int]] | None = None  # medusa_choices; None: mc_sim_7b_63
     typical: TypicalAcceptance | None = None  # typical_acceptance (posterior_threshold, posterior_alpha): lossy
-    quantization: str = "int4"  # the heads' weights when they draft on the CPU kernels: int4, int8 or none (bf16)
+    # the heads' weights when they draft on the CPU kernels: int4, int8 or none (bf16)
+    quantization: str = DEFAULT_HEAD_QUANTIZATION
     KEYS: ClassVar[frozenset[str]] = frozenset({"medusa_choices", "typical_acceptance", "posterior_threshold",
                                                 "posterior_alpha", "quantization"})
     EXCLUSIVE: ClassVar[dict[str, str]] = {"typical_acceptance": "Medusa (decoding_type: Medusa)"}

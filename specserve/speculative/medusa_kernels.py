@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.models import cpu_kernels
-from specserve.speculative.eagle_kernels import bias_free_linear, fp32_outputs, packed
+from specserve.speculative.eagle_kernels import DEFAULT_HEAD_QUANTIZATION, bias_free_linear, fp32_outputs, packed
 from specserve.speculative.medusa import MedusaHeads
 
 
@@ -32,7 +32,7 @@ def usable(heads: MedusaHeads) -> bool:
 class KernelMedusa:
     """`MedusaHeads.head_logits` on the kernels."""
 
-    def __init__(self, heads: MedusaHeads, quantization: str = "int4"):
+    def __init__(self, heads: MedusaHeads, quantization: str = DEFAULT_HEAD_QUANTIZATION):
         self.blocks = [[packed(block.linear, quantization) for block in head[:-1]] for head in heads.heads]
         self.lm_heads = [packed(bias_free_linear(weight), quantization) for weight in heads.lm_weights]
 
