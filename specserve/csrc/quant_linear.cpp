@@ -85,6 +85,7 @@ struct Acts {  // quantized activation rows
 // pointer, so the kernel reads it as an embedded broadcast instead of a register per row. The values are those
 // of Acts, unchanged.
 struct Lanes {
+  int64_t M = 0;  // rows
   std::vector<int32_t> four;  // per group: [K/32, 8 input groups, R]: 4 activation bytes
   std::vector<float> dx;  // per group: [K/32, R]
   // per (zero, sub-blocks) of the call's formats: zero * psum, per group [K/32, sub, R], and float(psum)
@@ -202,6 +203,28 @@ void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t 
 // rows MR sharing each loaded weight block; the rows' integer sums are interleaved group by group so the
 // dot-product latency overlaps across rows.
 
+// Ask for the weight block `kPrefetchBlocks` ahead (codes, planes, scales, offsets) while this one is computed. An
+// AVX2 core spends about as long on a block's integer work as on its load from memory, and the hardware prefetcher
+// alone does not overlap the two: on a Zen 3 this made the lm_head 1.05x faster at one row and 1.10-1.17x at 2..8 rows.
+// Past a weight's last block the addresses lie outside it: a prefetch never faults, so they are not clamped (with
+// a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
+constexpr int64_t kPrefetchBlocks = 4;
+
+inline void prefetch_lines(const void* base, int64_t offset, int bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
+  for (int line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
+}
+
+template <int BITS, int SUB, bool OFFS>
+inline void prefetch_block(const Packed& W, int64_t at) {
+  constexpr int kCodeBytes = BITS == 8 ? 512 : 256, kPlaneBytes = BITS == 8 ? 0 : (BITS - 4) * 64;
+  constexpr int kScaleBytes = SUB * kTile * int(sizeof(at::Half));
+  prefetch_lines(W.qs, at * kCodeBytes, kCodeBytes);
+  if constexpr (kPlaneBytes > 0) prefetch_lines(W.planes, at * kPlaneBytes, kPlaneBytes);
+  prefetch_lines(W.scales, at * kScaleBytes, kScaleBytes);
+  if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
+}
+
 // ---------------------------------------------------------------- AVX-512 VNNI path
 
 #define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
@@ -231,14 +254,14 @@ SPECSERVE_AVX512 inline void load_groups512(const Packed& W, int64_t at, __m512i
   }
 }
 
-template <int BITS, int SUB, bool OFFS, int MR>
-SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+// MR rows of a row group whose terms lie `stride` apart (Lanes): the group's whole width (STRIDE = MR, a
+// constant), or any rows of it (STRIDE = 0: `stride` at run time, a greedy screen's row computing its own
+// candidates alone). four, dx, zp and pf point at the first row's terms of block 0.
+template <int BITS, int SUB, bool OFFS, int MR, int STRIDE>
+SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int32_t* four, const float* dx,
+                                       const int32_t* zp, const float* pf, int64_t stride_at_run, float* out) {
   constexpr int kGroups = 8 / SUB;
-  // this row group's terms (Lanes: every group before it is full, and this one has MR rows)
-  const int32_t* four = X.lanes->four.data() + m0 * W.kblocks * 8;
-  const float* dx = X.lanes->dx.data() + m0 * W.kblocks;
-  const int32_t* zp = W.zero_psum + m0 * W.kblocks * SUB;
-  const float* pf = OFFS ? W.psum_f + m0 * W.kblocks * SUB : nullptr;
+  const int64_t stride = STRIDE > 0 ? STRIDE : stride_at_run;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < W.kblocks; ++kb) {
@@ -247,32 +270,47 @@ SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, 
     load_groups512<BITS>(W, at, w);
     for (int sb = 0; sb < SUB; ++sb) {
       // a lone row or a few: two integer sums per row (even and odd groups), exact whatever the order, to halve
-      // the dependency chain; more rows overlap their chains already, and need the registers
-      constexpr int kChains = MR <= 4 ? 2 : 1;
+      // the dependency chain; more rows overlap their chains already, and need the registers (the plane
+      // formats' decoding needs more of them: with two chains at 3-4 rows GCC spilled, 1.9x slower)
+      constexpr int kChains = MR <= (BITS == 5 || BITS == 6 ? 2 : 4) ? 2 : 1;
       __m512i part[kChains][MR];
       for (int c = 0; c < kChains; ++c)
         for (int i = 0; i < MR; ++i) part[c][i] = _mm512_setzero_si512();
       for (int g = sb * kGroups; g < (sb + 1) * kGroups; ++g)
         for (int i = 0; i < MR; ++i) {
           __m512i& sum = part[g % kChains][i];
-          sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(four[g * MR + i]));
+          sum = _mm512_dpbusd_epi32(sum, w[g], _mm512_set1_epi32(four[g * stride + i]));
         }
       const __m512 s = load16_half(W.scales + (at * SUB + sb) * kTile);
       for (int i = 0; i < MR; ++i) {
         const __m512i isum = kChains == 2 ? _mm512_add_epi32(part[0][i], part[kChains - 1][i]) : part[0][i];
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_set1_epi32(zp[sb * MR + i]))), s);
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_set1_epi32(zp[sb * stride + i]))),
+                                 s);
         if constexpr (OFFS)
           t = _mm512_fnmadd_ps(load16_half(W.offsets + (at * SUB + sb) * kTile),
-                               _mm512_set1_ps(pf[sb * MR + i]), t);
+                               _mm512_set1_ps(pf[sb * stride + i]), t);
         acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(dx[i]), acc[i]);
       }
     }
-    four += 8 * MR;
-    dx += MR;
-    zp += SUB * MR;
-    if constexpr (OFFS) pf += SUB * MR;
+    four += 8 * stride;
+    dx += stride;
+    zp += SUB * stride;
+    if constexpr (OFFS) pf += SUB * stride;
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(out + i * kTile, acc[i]);
+}
+
+// Rows m0 .. m0 + MR - 1: a whole row group of Lanes, or rows inside one.
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+  const int64_t group = m0 - m0 % kMaxRows, rows = std::min<int64_t>(kMaxRows, X.lanes->M - group);
+  const int64_t first = m0 - group;  // this call's first row within its group
+  const int32_t* four = X.lanes->four.data() + group * W.kblocks * 8 + first;
+  const float* dx = X.lanes->dx.data() + group * W.kblocks + first;
+  const int32_t* zp = W.zero_psum + group * W.kblocks * SUB + first;
+  const float* pf = OFFS ? W.psum_f + group * W.kblocks * SUB + first : nullptr;
+  if (rows == MR) tile_rows_avx512<BITS, SUB, OFFS, MR, MR>(W, tile, four, dx, zp, pf, MR, out);
+  else tile_rows_avx512<BITS, SUB, OFFS, MR, 0>(W, tile, four, dx, zp, pf, rows, out);
 }
 
 // ---------------------------------------------------------------- AVX2 path (maddubs: u8 x s8 pairs into int16)
@@ -330,28 +368,6 @@ SPECSERVE_AVX2 inline void decode_half(const Packed& W, int64_t at, int h, __m25
       if constexpr (BITS == 6) add_plane<5>(_mm256_loadu_si256((const __m256i*)(pl + 64)), w, groups);
     }
   }
-}
-
-// Ask for the weight block `kPrefetchBlocks` ahead (codes, planes, scales, offsets) while this one is computed. An
-// AVX2 core spends about as long on a block's integer work as on its load from memory, and the hardware prefetcher
-// alone does not overlap the two: on a Zen 3 this made the lm_head 1.05x faster at one row and 1.10-1.17x at 2..8 rows.
-// Past a weight's last block the addresses lie outside it: a prefetch never faults, so they are not clamped (with
-// a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
-constexpr int64_t kPrefetchBlocks = 4;
-
-SPECSERVE_AVX2 inline void prefetch_lines(const void* base, int64_t offset, int bytes) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
-  for (int line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _MM_HINT_T0);
-}
-
-template <int BITS, int SUB, bool OFFS>
-SPECSERVE_AVX2 inline void prefetch_block(const Packed& W, int64_t at) {
-  constexpr int kCodeBytes = BITS == 8 ? 512 : 256, kPlaneBytes = BITS == 8 ? 0 : (BITS - 4) * 64;
-  constexpr int kScaleBytes = SUB * kTile * int(sizeof(at::Half));
-  prefetch_lines(W.qs, at * kCodeBytes, kCodeBytes);
-  if constexpr (kPlaneBytes > 0) prefetch_lines(W.planes, at * kPlaneBytes, kPlaneBytes);
-  prefetch_lines(W.scales, at * kScaleBytes, kScaleBytes);
-  if constexpr (OFFS) prefetch_lines(W.offsets, at * kScaleBytes, kScaleBytes);
 }
 
 // A row's integer sums over one weight block's half (its decoded codes w, magnitudes mag for 8 bits), sub-block sb,
@@ -688,6 +704,53 @@ inline void run_tile(const std::array<TileFn, kMaxRows + 1>& fns, const DecodedT
   else tile_scalar(W, X, tile, m0, mr, out);
 }
 
+// Where a tile's outputs go: y = block * unit (+ bias), fp32 or bf16, row r at y + r * width.
+struct TileOut {
+  float* y32;  // or nullptr
+  at::BFloat16* y16;  // or nullptr
+  int64_t width;
+  const float* bias;  // or nullptr
+  float unit;
+};
+
+void store_tile_scalar(const float* block, int mr, int count, const TileOut& to) {
+  for (int r = 0; r < mr; ++r)
+    for (int j = 0; j < count; ++j) {
+      const float v = to.bias ? block[r * kTile + j] * to.unit + to.bias[j] : block[r * kTile + j] * to.unit;
+      if (to.y32) to.y32[r * to.width + j] = v;
+      else to.y16[r * to.width + j] = at::BFloat16(v);
+    }
+}
+
+// store_tile_scalar's numbers for a whole tile, 8 outputs a vector: the same multiply then add (not fused), and
+// bf16 rounded as at::BFloat16 rounds (to nearest even; any NaN -> 0x7FC0). Stored one by one, a tile's 16 outputs
+// per row cost about a third as much as its arithmetic over a 640-input block row at 8 rows.
+SPECSERVE_AVX2 inline __m256i bf16_bits_avx2(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+SPECSERVE_AVX2 void store_tile_avx2(const float* block, int mr, const TileOut& to) {
+  const __m256 unit = _mm256_set1_ps(to.unit);
+  for (int r = 0; r < mr; ++r) {
+    __m256 v[2];
+    for (int h = 0; h < 2; ++h) {
+      v[h] = _mm256_mul_ps(_mm256_loadu_ps(block + r * kTile + 8 * h), unit);
+      if (to.bias) v[h] = _mm256_add_ps(v[h], _mm256_loadu_ps(to.bias + 8 * h));
+    }
+    if (to.y32) {
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(to.y32 + r * to.width + 8 * h, v[h]);
+    } else {  // packus interleaves the 128-bit lanes of its two sources; the permute puts them back in order
+      const __m256i packed = _mm256_packus_epi32(bf16_bits_avx2(v[0]), bf16_bits_avx2(v[1]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to.y16 + r * to.width),
+                          _mm256_permute4x64_epi64(packed, 0b11011000));
+    }
+  }
+}
+
 template <typename T>
 void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
   // a few rows take less time than waking the other threads: threads share rows only past ~1k blocks each
@@ -712,6 +775,7 @@ inline int64_t lane_index(int64_t M, int64_t kblocks, int64_t m, int64_t kb, int
 // X's rows as the AVX-512 path reads them (Lanes).
 void interleave(const Acts& X, int64_t M, Lanes& L) {
   const int64_t kblocks = X.K / kBlock;
+  L.M = M;
   L.four.resize(M * kblocks * 8);
   L.dx.resize(M * kblocks);
   for (int64_t m = 0; m < M; ++m)
@@ -937,14 +1001,11 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
         run_tile(fns[i], once, w, X, tile, m0, mr, block, decoded);
-        const int64_t count = std::min<int64_t>(kTile, w.N - tile * kTile);
-        for (int r = 0; r < mr; ++r)
-          for (int64_t j = 0; j < count; ++j) {
-            const int64_t n = column[i] + tile * kTile + j;
-            const float v = b ? block[r * kTile + j] * w.unit + b[n] : block[r * kTile + j] * w.unit;
-            if (y32) y32[(m0 + r) * width + n] = v;
-            else y16[(m0 + r) * width + n] = at::BFloat16(v);
-          }
+        const int64_t n0 = column[i] + tile * kTile, count = std::min<int64_t>(kTile, w.N - tile * kTile);
+        const TileOut to{y32 ? y32 + m0 * width + n0 : nullptr, y16 ? y16 + m0 * width + n0 : nullptr, width,
+                         b ? b + n0 : nullptr, w.unit};
+        if (isa != Isa::scalar && count == kTile) store_tile_avx2(block, mr, to);
+        else store_tile_scalar(block, mr, int(count), to);
       }
     }
   });

@@ -153,6 +153,28 @@ def test_kernel_bias_and_dtypes():
     assert (y16.float() - reference).norm() / reference.norm() < 0.02
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_bf16_outputs_round_as_torch_does_on_every_path(rows, monkeypatch):
+    """The vector paths store whole tiles of bf16 outputs with their own rounding: ties (to even), values that
+    round up to infinity, infinities, NaN and denormals must come out as torch rounds the fp32 outputs, in the
+    tiles' outputs (40 = two whole tiles and a partial one) and their biases (a zero row outputs the bias)."""
+    packed, _ = packed_weight("Q4_0", rows=40, cols=256)
+    ties = [0x3F808000, 0x3F818000, 0xBF818000, 0x7F7F8000, 0x7F7FFFFF, 0x00008000, 0x00018000, 0x80007FFF]
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, 3.4e38, -3.4e38, 1.0]
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    bias[:8] = torch.tensor(ties, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    bias[16:24] = torch.tensor(special)
+    bias[32:40] = torch.tensor(special[::-1])
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    x[0] = 0.0
+    for isa in isa_paths():
+        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        for b in (bias, None):
+            want, got = packed.matmul(x, b, out_fp32=True).to(torch.bfloat16), packed.matmul(x, b)
+            assert torch.equal(got.isnan(), want.isnan()), isa  # torch's NaN bits differ by path: not compared
+            assert torch.equal(got.view(torch.int16)[~got.isnan()], want.view(torch.int16)[~want.isnan()]), isa
+
+
 def test_fused_weights_compute_what_the_parts_do():
     parts = [packed_weight(kind, rows=rows, cols=256, seed=i)[0]
              for i, (kind, rows) in enumerate([("Q5_0", 64), ("Q5_0", 32), ("Q5_0", 32)])]
