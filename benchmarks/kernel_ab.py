@@ -10,7 +10,7 @@ decided: docs/design-notes.md).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
-`forward`: the default model's forwards of 1 and 5 rows after 200 cached tokens, with and without the lm_head, 8
+`forward`: the default model's forwards of 1, 5, 8 and 16 rows after 200 cached tokens, with and without the lm_head, 8
 requests of one row each, a 64-token prefill forward, the lm_head alone at 1, 5 and 8 rows, and the greedy screen
 (`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits of a 64-token forward checked
 bit-identical. Only for a quant_linear.cpp that reads this checkout's packed layout (same `PACK_VERSION`).
@@ -129,7 +129,7 @@ def forward_cases(other, rounds: int) -> None:
         return lambda: model(tokens, at, cache, at, logits_rows=None if logits else no_logits)
 
     cases = {f"forward {rows} rows{' + lm_head' if logits else ''}": forward(rows, logits)
-             for rows in (1, 5) for logits in (False, True)}
+             for rows in (1, 5, 8, 16) for logits in (False, True)}
     cases["forward 8 requests of 1 row"] = forward(1, False, batch=8)
     cases["prefill 64 rows"] = forward(64, False)
     for rows in (1, 5, 8):

@@ -228,11 +228,12 @@ inline void prefetch_block(const Packed& W, int64_t at) {
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
 
-// The AVX-512 tiles ask for the block kPrefetchBlocks512 ahead into L2 from 5 rows up, where a block's arithmetic
-// outlasts its load: without it a tile stalled on each miss and an 8-row lm_head took its compute time plus its
-// read time (a Zen 4: the lm_head at 8 / 16 rows 1.13-1.20x / 1.26-1.36x faster with it, 8-16 KB ahead; 4-16
-// blocks ahead into L1, 0.89-0.97x). Fewer rows wait on memory anyway, and there it cost 0.85-0.96x.
-constexpr int kPrefetchRows512 = 5;
+// The AVX-512 tiles of 2+ rows ask for the block kPrefetchBlocks512 ahead into L2: without it a tile stalled on each
+// miss and took its arithmetic time plus its read time (a Zen 4, two threads: a 65,536 x 2,048 Q4_0 weight at 2 / 3
+// / 4 rows 1.28x / 1.51x / 1.72x faster with it, Q8_0 1.0x / 1.16x / 1.33x; the default model's lm_head at 8 / 16
+// rows 1.13-1.20x / 1.26-1.36x; 8-16 KB ahead, where 4-16 blocks ahead into L1 ran 0.89-0.97x). One row waits on
+// memory anyway, and there it cost the lm_head 0.87-0.90x.
+constexpr int kPrefetchRows512 = 2;
 constexpr int64_t kPrefetchBlocks512 = 32;
 
 

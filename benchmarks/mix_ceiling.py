@@ -1,7 +1,8 @@
-"""What the AVX2 multi-row tiles' instruction mix can reach on this CPU: int8 multiply-adds per second of loops
-that do nothing but the tiles' inner work, on one thread and on all threads at once.
+"""What the multi-row tiles' instruction mix can reach on this CPU: int8 multiply-adds per second of loops that do
+nothing but the tiles' inner work, on one thread and on all threads at once (AVX2 loops, and the AVX-512 VNNI
+loops where the CPU has VNNI).
 
-    python benchmarks/avx2_mix_ceiling.py [--seconds 1.0]
+    python benchmarks/mix_ceiling.py [--seconds 1.0]
 
 A row of an AVX2 tile (quant_linear.cpp) spends per group of four inputs one VPBROADCASTD of its activation codes,
 one VPMADDUBSW (32 multiply-adds: 8 outputs x 4 inputs) and one VPADDW into its int16 run; the widening, the fp32
@@ -11,6 +12,15 @@ no other work):
     maddubs              VPMADDUBSW alone, 8 independent chains (what `--step-costs` reads as the int8 peak)
     maddubs+add          VPMADDUBSW then VPADDW into 8 accumulators
     broadcast+maddubs+add  the same with each product's codes broadcast from memory, as every tile row does
+
+A row of an AVX-512 tile spends per block of 32 inputs eight VPDPBUSD (64 multiply-adds each: 16 outputs x 4
+inputs), each with its codes as an embedded broadcast, then its fp32 tail: the zero-point term subtracted
+(VPSUBD, broadcast), converted (VCVTDQ2PS), times the block's scales (VMULPS) and added times the row's dx
+(VFMADD231PS, broadcast). The loops run 8 rows, as the tile does, so 8 chains overlap:
+
+    vnni                 VPDPBUSD alone, register operands
+    vnni+broadcast       with each row's codes as an embedded broadcast
+    vnni+broadcast+tail  and each row's fp32 tail once per 8 VPDPBUSD
 
 These bound what the tiles can reach from above. For scale, the last line prints the rate a 1B-shaped model's
 8-token forward (~8.5 G multiply-adds) needs to take at most 1.3x its one-token step.
@@ -74,10 +84,14 @@ void broadcast_maddubs_add(int64_t rounds) {
         :: "r"(codes + (r & 63) * 8) : YMM_CLOBBERS);
 }
 
+VNNI_LOOPS
+
 // Multiply-adds per second of `loop` on `threads` threads started together (the best of a few runs).
 double rate(const std::string& name, int64_t threads, double seconds) {
-  void (*loop)(int64_t) = name == "maddubs" ? maddubs : name == "maddubs+add" ? maddubs_add : broadcast_maddubs_add;
-  TORCH_CHECK(name == "maddubs" || name == "maddubs+add" || name == "broadcast+maddubs+add", "unknown loop ", name);
+  void (*loop)(int64_t) = name == "maddubs" ? maddubs : name == "maddubs+add" ? maddubs_add
+      : name == "broadcast+maddubs+add" ? broadcast_maddubs_add : VNNI_CHOICE nullptr;
+  TORCH_CHECK(loop != nullptr, "unknown loop ", name);
+  const int64_t macs_per_round = name.rfind("vnni", 0) == 0 ? kVnniMacsPerRound : kMacsPerRound;
   const int64_t rounds = 1 << 20;
   double best = 0.0;
   for (auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
@@ -94,7 +108,7 @@ double rate(const std::string& name, int64_t threads, double seconds) {
       });
     for (auto& thread : pool) thread.join();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, double(threads) * rounds * kMacsPerRound / elapsed);
+    best = std::max(best, double(threads) * rounds * macs_per_round / elapsed);
   }
   return best;
 }
@@ -107,6 +121,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 LOOPS = ("maddubs", "maddubs+add", "broadcast+maddubs+add")
+VNNI = ("vnni", "vnni+broadcast", "vnni+broadcast+tail")
+ROWS = 8  # a VNNI round: 8 rows x 8 groups, zmm0-7 the rows' sums, zmm8-15 the groups' codes, zmm16-23 fp32 sums
+
+
+def vnni_round(broadcast: bool, tail: bool) -> str:
+    """One round's assembly: each row's 8 VPDPBUSD (group by group, rows interleaved as the tile does), then each
+    row's fp32 tail; %0 points at the rows' codes ([group][row] int32) and terms."""
+    lines = []
+    for group in range(8):
+        for row in range(ROWS):
+            codes = f"{4 * (group * ROWS + row)}(%0)%{{1to16%}}" if broadcast else "%%zmm24"
+            lines.append(f"vpdpbusd {codes}, %%zmm{8 + group}, %%zmm{row}")
+    if tail:
+        for row in range(ROWS):
+            lines += [f"vpsubd {256 + 4 * row}(%0)%{{1to16%}}, %%zmm{row}, %%zmm25",
+                      "vcvtdq2ps %%zmm25, %%zmm25", "vmulps %%zmm26, %%zmm25, %%zmm25",
+                      f"vfmadd231ps {288 + 4 * row}(%0)%{{1to16%}}, %%zmm25, %%zmm{16 + row}"]
+    return "\\n".join(lines)  # the C string's line breaks; %{ %} are braces in GCC's asm
+
+
+def vnni_source() -> tuple[str, str]:
+    """The VNNI loop functions and the names `rate` picks them by."""
+    clobbers = ", ".join(f'"xmm{i}"' for i in range(27)) + ', "memory"'
+    functions, choice = [], []
+    for name, broadcast, tail in (("vnni", False, False), ("vnni_broadcast", True, False),
+                                  ("vnni_broadcast_tail", True, True)):
+        functions.append(f"""
+__attribute__((target("avx512f,avx512vnni"))) void {name}(int64_t rounds) {{
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile("{vnni_round(broadcast, tail)}" :: "r"(terms) : {clobbers});
+}}""")
+        choice.append(f'name == "{name.replace("_", "+")}" ? {name} :')
+    header = "constexpr int kVnniMacsPerRound = 8 * 8 * 64;\nalignas(64) int32_t terms[96];\n"
+    return header + "\n".join(functions), " ".join(choice)
 ONE_B_MACS_8_TOKENS = 8.5e9  # Llama-3.2-1B's shape, 8 tokens (docs/benchmarks.md)
 
 
@@ -116,13 +164,17 @@ def main() -> None:
     parser.add_argument("--one-token-ms", type=float, default=35.4,
                         help="the 1B shape's one-token step here (docs/benchmarks.md), for the last line")
     args = parser.parse_args()
-    if "avx2" not in open("/proc/cpuinfo").read():
+    flags = open("/proc/cpuinfo").read().split()
+    if "avx2" not in flags:
         raise SystemExit("this CPU has no AVX2")
-    module = load_inline("avx2_mix_ceiling", cpp_sources=[SOURCE], extra_cflags=["-O2", "-mavx2"],
-                         build_directory=tempfile.mkdtemp(prefix="avx2_mix_"))
+    vnni = "avx512_vnni" in flags
+    loops, choice = vnni_source() if vnni else ("", "")
+    source = SOURCE.replace("VNNI_LOOPS", loops).replace("VNNI_CHOICE", choice)
+    module = load_inline("mix_ceiling", cpp_sources=[source], extra_cflags=["-O2", "-mavx2"],
+                         build_directory=tempfile.mkdtemp(prefix="mix_ceiling_"))
     threads = torch.get_num_threads()
     print(f"{'loop':<24} {'1 thread':>12} {f'{threads} threads':>12}   (G multiply-adds/s)")
-    for loop in LOOPS:
+    for loop in LOOPS + (VNNI if vnni else ()):
         one, all_ = (module.rate(loop, n, args.seconds) / 1e9 for n in (1, threads))
         print(f"{loop:<24} {one:>12.1f} {all_:>12.1f}")
     needed = ONE_B_MACS_8_TOKENS / (1.3 * args.one_token_ms / 1e3) / 1e9
