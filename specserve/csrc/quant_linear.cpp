@@ -203,12 +203,23 @@ void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t 
 // rows MR sharing each loaded weight block; the rows' integer sums are interleaved group by group so the
 // dot-product latency overlaps across rows.
 
-// Ask for the weight block `kPrefetchBlocks` ahead (codes, planes, scales, offsets) while this one is computed. An
-// AVX2 core spends about as long on a block's integer work as on its load from memory, and the hardware prefetcher
-// alone does not overlap the two: on a Zen 3 this made the lm_head 1.05x faster at one row and 1.10-1.17x at 2..8 rows.
+// Ask for a weight block ahead (codes, planes, scales, offsets) while this one is computed. One row on AVX2: the block
+// kPrefetchBlocks ahead into L1. An AVX2 core spends about as long on a block's integer work as on its load from
+// memory, and the hardware prefetcher alone does not overlap the two: on a Zen 3 this made the lm_head 1.05x faster
+// at one row and 1.10-1.17x at 2..8 rows (where the L2 prefetch below has replaced it, measured on a Zen 4's AVX2
+// path, not on a Zen 3).
 // Past a weight's last block the addresses lie outside it: a prefetch never faults, so they are not clamped (with
 // a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
 constexpr int64_t kPrefetchBlocks = 4;
+
+// Tiles of 2+ rows, on both vector paths: the block kPrefetchBlocksL2 ahead into L2 (8-16 KB). Without it a tile
+// stalled on each miss and took its arithmetic time plus its read time (a Zen 4, two threads, a 65,536 x 2,048
+// weight: VNNI tiles Q4_0 1.28x / 1.51x / 1.72x at 2 / 3 / 4 rows, Q8_0 1.0x / 1.16x / 1.33x; its AVX2 tiles Q4_0
+// 1.01x / 1.37x / 1.27x / 1.10x at 2 / 3 / 4 / 8 rows, Q5_0 1.22x at 4; the default model's lm_head 1.13-1.20x at 8
+// rows on VNNI, 1.16x at 4 on AVX2). 4-16 blocks ahead into L1 ran the VNNI tiles 0.89-0.97x. One row waits on
+// memory anyway: there the L2 prefetch cost the lm_head 0.87-0.90x on VNNI, and the VNNI tile asks for nothing.
+constexpr int kPrefetchRowsL2 = 2;
+constexpr int64_t kPrefetchBlocksL2 = 32;
 
 template <int HINT>
 inline void prefetch_lines(const void* base, int64_t offset, int bytes) {
@@ -227,14 +238,6 @@ inline void prefetch_block(const Packed& W, int64_t at) {
 }
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
-
-// The AVX-512 tiles of 2+ rows ask for the block kPrefetchBlocks512 ahead into L2: without it a tile stalled on each
-// miss and took its arithmetic time plus its read time (a Zen 4, two threads: a 65,536 x 2,048 Q4_0 weight at 2 / 3
-// / 4 rows 1.28x / 1.51x / 1.72x faster with it, Q8_0 1.0x / 1.16x / 1.33x; the default model's lm_head at 8 / 16
-// rows 1.13-1.20x / 1.26-1.36x; 8-16 KB ahead, where 4-16 blocks ahead into L1 ran 0.89-0.97x). One row waits on
-// memory anyway, and there it cost the lm_head 0.87-0.90x.
-constexpr int kPrefetchRows512 = 2;
-constexpr int64_t kPrefetchBlocks512 = 32;
 
 #define SPECSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
 
@@ -275,7 +278,7 @@ SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int3
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < W.kblocks; ++kb) {
     const int64_t at = tile * W.kblocks + kb;
-    if constexpr (MR >= kPrefetchRows512) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocks512);
+    if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
     __m512i w[8];
     load_groups512<BITS>(W, at, w);
     for (int sb = 0; sb < SUB; ++sb) {
@@ -440,7 +443,10 @@ SPECSERVE_AVX2 inline void half_block_avx2(const Packed& W, const Acts& X, int64
   if constexpr (DECODED) {
     for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
   } else {
-    if (h == 0) prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);  // the second half finds it in cache
+    if (h == 0) {  // the second half finds it in cache
+      if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+      else prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);
+    }
     decode_half<BITS>(W, at, h, w, mag);
   }
   block_rows_avx2<BITS, SUB, OFFS, MR>(W, X, at, kb, h, m0, w, mag, acc);
