@@ -2,7 +2,7 @@
 nothing but the tiles' inner work, on one thread and on all threads at once (AVX2 loops, and the AVX-512 VNNI
 loops where the CPU has VNNI).
 
-    python benchmarks/mix_ceiling.py [--seconds 1.0]
+    python benchmarks/mix_ceiling.py [--seconds 1.0] [--avx2-only]
 
 A row of an AVX2 tile (quant_linear.cpp) spends per group of four inputs one VPBROADCASTD of its activation codes,
 one VPMADDUBSW (32 multiply-adds: 8 outputs x 4 inputs) and one VPADDW into its int16 run; the widening, the fp32
@@ -44,6 +44,7 @@ SOURCE = r"""
 namespace {
 
 constexpr int kMacsPerRound = 8 * 32;  // 8 VPMADDUBSW of 32 multiply-adds
+constexpr int kVnniMacsPerRound = 8 * 8 * 64;  // 8 rows x 8 VPDPBUSD of 64 multiply-adds
 #define YMM_CLOBBERS "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
     "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory"
 alignas(64) int32_t codes[64 * 8];
@@ -153,7 +154,7 @@ __attribute__((target("avx512f,avx512vnni"))) void {name}(int64_t rounds) {{
     asm volatile("{vnni_round(broadcast, tail)}" :: "r"(terms) : {clobbers});
 }}""")
         choice.append(f'name == "{name.replace("_", "+")}" ? {name} :')
-    header = "constexpr int kVnniMacsPerRound = 8 * 8 * 64;\nalignas(64) int32_t terms[96];\n"
+    header = "alignas(64) int32_t terms[96];\n"
     return header + "\n".join(functions), " ".join(choice)
 ONE_B_MACS_8_TOKENS = 8.5e9  # Llama-3.2-1B's shape, 8 tokens (docs/benchmarks.md)
 
@@ -163,11 +164,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0, help="per loop and thread count")
     parser.add_argument("--one-token-ms", type=float, default=35.4,
                         help="the 1B shape's one-token step here (docs/benchmarks.md), for the last line")
+    parser.add_argument("--avx2-only", action="store_true", help="the AVX2 loops only, on a CPU with VNNI too")
     args = parser.parse_args()
     flags = open("/proc/cpuinfo").read().split()
     if "avx2" not in flags:
         raise SystemExit("this CPU has no AVX2")
-    vnni = "avx512_vnni" in flags
+    vnni = "avx512_vnni" in flags and not args.avx2_only
     loops, choice = vnni_source() if vnni else ("", "")
     source = SOURCE.replace("VNNI_LOOPS", loops).replace("VNNI_CHOICE", choice)
     module = load_inline("mix_ceiling", cpp_sources=[source], extra_cflags=["-O2", "-mavx2"],
