@@ -95,6 +95,17 @@ struct Lanes {
   void for_format(const Acts& X, int64_t M, Packed& w);
 };
 
+// The rows of row m's group in a Lanes array of M rows (kMaxRows, or the rest in the last group).
+inline int64_t lane_group_rows(int64_t M, int64_t m) {
+  return std::min<int64_t>(kMaxRows, M - (m - m % kMaxRows));
+}
+
+// Where row m's term j (of `per_block` per block) of block kb sits in a Lanes array.
+inline int64_t lane_index(int64_t M, int64_t kblocks, int64_t m, int64_t kb, int per_block, int j) {
+  const int64_t m0 = m - m % kMaxRows;
+  return m0 * kblocks * per_block + ((kb * per_block) + j) * lane_group_rows(M, m) + (m - m0);
+}
+
 // The activation rows as the AVX2 path reads them, block by block: row m's codes of block kb at p[(kb M + m) 32],
 // its dx at dx[kb M + m], and per format the terms a block adds at [(kb M + m) sub + sb]. A tile then finds every
 // row's terms of a block at fixed offsets from one pointer. Read row by row, each row cost an index multiply, and
@@ -316,12 +327,11 @@ SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int3
 // Rows m0 .. m0 + MR - 1: a whole row group of Lanes, or rows inside one.
 template <int BITS, int SUB, bool OFFS, int MR>
 SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
-  const int64_t group = m0 - m0 % kMaxRows, rows = std::min<int64_t>(kMaxRows, X.lanes->M - group);
-  const int64_t first = m0 - group;  // this call's first row within its group
-  const int32_t* four = X.lanes->four.data() + group * W.kblocks * 8 + first;
-  const float* dx = X.lanes->dx.data() + group * W.kblocks + first;
-  const int32_t* zp = W.zero_psum + group * W.kblocks * SUB + first;
-  const float* pf = OFFS ? W.psum_f + group * W.kblocks * SUB + first : nullptr;
+  const int64_t M = X.lanes->M, rows = lane_group_rows(M, m0);
+  const int32_t* four = X.lanes->four.data() + lane_index(M, W.kblocks, m0, 0, 8, 0);
+  const float* dx = X.lanes->dx.data() + lane_index(M, W.kblocks, m0, 0, 1, 0);
+  const int32_t* zp = W.zero_psum + lane_index(M, W.kblocks, m0, 0, SUB, 0);
+  const float* pf = OFFS ? W.psum_f + lane_index(M, W.kblocks, m0, 0, SUB, 0) : nullptr;
   if (rows == MR) tile_rows_avx512<BITS, SUB, OFFS, MR, MR>(W, tile, four, dx, zp, pf, MR, out);
   else tile_rows_avx512<BITS, SUB, OFFS, MR, 0>(W, tile, four, dx, zp, pf, rows, out);
 }
@@ -781,12 +791,6 @@ void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* 
         else quantize_block_scalar(x + at, p + at, dx + block, psum16 + 2 * block);
       }
   });
-}
-
-// Where row m's term j (of `per_block` per block) of block kb sits in a Lanes array.
-inline int64_t lane_index(int64_t M, int64_t kblocks, int64_t m, int64_t kb, int per_block, int j) {
-  const int64_t m0 = m - m % kMaxRows, rows = std::min<int64_t>(kMaxRows, M - m0);
-  return m0 * kblocks * per_block + ((kb * per_block) + j) * rows + (m - m0);
 }
 
 // X's rows as the AVX-512 path reads them (Lanes).
