@@ -156,6 +156,8 @@ __attribute__((target("avx512f,avx512vnni"))) void {name}(int64_t rounds) {{
         choice.append(f'name == "{name.replace("_", "+")}" ? {name} :')
     header = "alignas(64) int32_t terms[96];\n"
     return header + "\n".join(functions), " ".join(choice)
+
+
 ONE_B_MACS_8_TOKENS = 8.5e9  # Llama-3.2-1B's shape, 8 tokens (docs/benchmarks.md)
 
 
