@@ -863,28 +863,71 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const int64_t G = H / Hkv, heads = B * Hkv, R = T * G;
   const Attn a{k.data_ptr<bf16>(), v.data_ptr<bf16>(), Hkv, T, S, D, G, float(scale), k.strides(), v.strides()};
 
+  // each phase over n items: split over the threads, or all on this one for a small call (grain n)
+  const int64_t threads = at::get_num_threads();
+  const bool alone = B * H * T * S * D < kInlineWork || threads == 1;
+  const auto phase = [alone](int64_t n, const auto& f) { specserve::parallel_for(0, n, alone ? std::max<int64_t>(n, 1) : 1, f); };
+  const auto mask_row = [&](int64_t b, int64_t t) {
+    return mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2);
+  };
+  const auto query = [&](int64_t b, int64_t h, int64_t t) {
+    return q.data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+  };
+  const auto output = [&](int64_t b, int64_t h, int64_t t) { return out.data_ptr<bf16>() + ((b * T + t) * H + h) * D; };
+  // Each thread a kv head's mask rows, or a share of them: an item (kv head, rows [t0, t1)) computes its rows
+  // whole (scores, softmax, values) in one parallel region, where the phases below wait for each other three
+  // times. A key tile is read once for all the item's rows, as in the phases.
+  const int64_t row_chunks = std::min(T, (threads + heads - 1) / std::max<int64_t>(heads, 1));
+  if (!alone && heads * row_chunks >= threads) {
+    phase(heads * row_chunks, [&](int64_t begin, int64_t end) {
+      std::vector<Keys> keys;
+      std::vector<float> q32;
+      std::vector<Row> rows;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t head = i / row_chunks, chunk = i % row_chunks, b = head / Hkv;
+        const int64_t t0 = chunk * T / row_chunks, t1 = (chunk + 1) * T / row_chunks, n = (t1 - t0) * G;
+        keys.resize(t1 - t0);
+        q32.resize(n * D);
+        rows.resize(n);
+        for (int64_t t = t0; t < t1; ++t) {
+          Keys& visible = keys[t - t0];
+          visible_keys(mask_row(b, t), mask.stride(3), S, visible);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = head % Hkv * G + g, r = (t - t0) * G + g;
+            widen(query(b, h, t), &q32[r * D], D);
+            rows[r].q = &q32[r * D];
+            rows[r].out = output(b, h, t);
+            rows[r].keys = &visible;
+            rows[r].p.resize(visible.size());
+          }
+        }
+        Attn span = a;
+        span.T = t1 - t0;
+        score_range(span, head, rows.data(), keys.data(), 0, S);
+        for (Row& row : rows) softmax_numerators(row);
+        value_range(span, head, rows.data(), keys.data(), 0, D);
+      }
+    });
+    return out.transpose(1, 2);
+  }
   std::vector<Keys> keys(B * T);
   std::vector<float> q32(B * H * T * D);
   std::vector<Row> rows(heads * R);
-  // each phase over n items: split over the threads, or all on this one for a small call (grain n)
-  const bool alone = B * H * T * S * D < kInlineWork || at::get_num_threads() == 1;
-  const auto phase = [alone](int64_t n, const auto& f) { specserve::parallel_for(0, n, alone ? std::max<int64_t>(n, 1) : 1, f); };
   phase(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T;
-      visible_keys(mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2), mask.stride(3), S, keys[bt]);
+      visible_keys(mask_row(b, t), mask.stride(3), S, keys[bt]);
       for (int64_t h = 0; h < H; ++h) {
         Row& row = rows[(b * Hkv + h / G) * R + t * G + h % G];
         float* q32_row = &q32[((b * H + h) * T + t) * D];
-        widen(q.data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), q32_row, D);
-        row = {q32_row, out.data_ptr<bf16>() + ((b * T + t) * H + h) * D, &keys[bt],
-               std::vector<float>(keys[bt].size()), 0.f};
+        widen(query(b, h, t), q32_row, D);
+        row = {q32_row, output(b, h, t), &keys[bt], std::vector<float>(keys[bt].size()), 0.f};
       }
     }
   });
   // Every thread gets work even for one kv head: phase 1 splits its keys, phase 3 its head dims. A split only
   // decides which thread computes an element, never how.
-  const int64_t split = alone ? 1 : (at::get_num_threads() + heads - 1) / std::max<int64_t>(heads, 1);
+  const int64_t split = alone ? 1 : (threads + heads - 1) / std::max<int64_t>(heads, 1);
   const int64_t key_chunk = round_up((S + split - 1) / split, kKeyTile), key_chunks = (S + key_chunk - 1) / key_chunk;
   const int64_t dim_chunk = round_up((D + split - 1) / split, 32), dim_chunks = (D + dim_chunk - 1) / dim_chunk;
   phase(heads * key_chunks, [&](int64_t begin, int64_t end) {

@@ -130,16 +130,21 @@ def test_decode_attention_row_is_independent_of_t_and_s(h, hkv, d):
 
 def test_results_do_not_depend_on_thread_count():
     x, w = bf16(9, 640), bf16(1000, 640)
+    # 8 rows: the threads split the rows; one row of a long context: they split its keys, then its head dims
     q, (k, v) = bf16(1, 4, 8, 256), cache_views(1, 1, 300, 256)
     mask = causal_mask(1, 8, 300)
+    q_one, (k_long, v_long) = bf16(1, 4, 1, 256), cache_views(1, 1, 1100, 256, capacity=1100)
+    mask_long = causal_mask(1, 1, 1100) & (torch.rand(1, 1, 1, 1100) > 0.3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = ck.small_linear(x, w), ck.decode_attention(q, k, v, mask, 0.0625)
+        single = (ck.small_linear(x, w), ck.decode_attention(q, k, v, mask, 0.0625),
+                  ck.decode_attention(q_one, k_long, v_long, mask_long, 0.0625))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(single[0], ck.small_linear(x, w))
     assert torch.equal(single[1], ck.decode_attention(q, k, v, mask, 0.0625))
+    assert torch.equal(single[2], ck.decode_attention(q_one, k_long, v_long, mask_long, 0.0625))
 
 
 def test_decode_attention_rejects_head_dims_off_16():
