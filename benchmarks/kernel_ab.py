@@ -262,6 +262,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", default="ar,ngram", help="engine: the methods compared")
     parser.add_argument("--prompts", type=int, default=10, help="engine: prompts from each set")
+    parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="linear: the row counts")
     parser.add_argument("--model", default=None, help="forward: a .gguf file or checkpoint (default: the embedded one)")
     args = parser.parse_args()
     other = build("forward" if args.kind in ("engine", "linear") else args.kind, args.source)
@@ -272,7 +273,7 @@ def main() -> None:
     elif args.kind == "engine":
         engine_cases(other, args.methods.split(","), args.prompts)
     elif args.kind == "linear":
-        linear_cases(other, args.rounds)
+        linear_cases(other, args.rounds, tuple(int(m) for m in args.rows.split(",")))
     else:
         forward_cases(other, args.source, args.rounds, args.model)
 

@@ -279,19 +279,25 @@ SPECSERVE_AVX512 inline void load_groups512(const Packed& W, int64_t at, __m512i
 
 // MR rows of a row group whose terms lie `stride` apart (Lanes): the group's whole width (STRIDE = MR, a
 // constant), or any rows of it (STRIDE = 0: `stride` at run time, a greedy screen's row computing its own
-// candidates alone). four, dx, zp and pf point at the first row's terms of block 0.
-template <int BITS, int SUB, bool OFFS, int MR, int STRIDE>
+// candidates alone). four, dx, zp and pf point at the first row's terms of block 0. DECODED: the tile's codes are
+// read from `decoded` (decode_tile_avx512's buffer), not decoded here.
+template <int BITS, int SUB, bool OFFS, int MR, int STRIDE, bool DECODED>
 SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int32_t* four, const float* dx,
-                                       const int32_t* zp, const float* pf, int64_t stride_at_run, float* out) {
+                                       const int32_t* zp, const float* pf, int64_t stride_at_run, float* out,
+                                       const __m512i* decoded) {
   constexpr int kGroups = 8 / SUB;
   const int64_t stride = STRIDE > 0 ? STRIDE : stride_at_run;
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < W.kblocks; ++kb) {
     const int64_t at = tile * W.kblocks + kb;
-    if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
     __m512i w[8];
-    load_groups512<BITS>(W, at, w);
+    if constexpr (DECODED) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(decoded + kb * 8 + g);
+    } else {
+      if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+      load_groups512<BITS>(W, at, w);
+    }
     for (int sb = 0; sb < SUB; ++sb) {
       // a lone row or a few: two integer sums per row (even and odd groups), exact whatever the order, to halve
       // the dependency chain; more rows overlap their chains already, and need the registers (the plane
@@ -325,15 +331,41 @@ SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int3
 }
 
 // Rows m0 .. m0 + MR - 1: a whole row group of Lanes, or rows inside one.
-template <int BITS, int SUB, bool OFFS, int MR>
-SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+template <int BITS, int SUB, bool OFFS, int MR, bool DECODED>
+SPECSERVE_AVX512 void rows_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
+                                  const __m512i* decoded) {
   const int64_t M = X.lanes->M, rows = lane_group_rows(M, m0);
   const int32_t* four = X.lanes->four.data() + lane_index(M, W.kblocks, m0, 0, 8, 0);
   const float* dx = X.lanes->dx.data() + lane_index(M, W.kblocks, m0, 0, 1, 0);
   const int32_t* zp = W.zero_psum + lane_index(M, W.kblocks, m0, 0, SUB, 0);
   const float* pf = OFFS ? W.psum_f + lane_index(M, W.kblocks, m0, 0, SUB, 0) : nullptr;
-  if (rows == MR) tile_rows_avx512<BITS, SUB, OFFS, MR, MR>(W, tile, four, dx, zp, pf, MR, out);
-  else tile_rows_avx512<BITS, SUB, OFFS, MR, 0>(W, tile, four, dx, zp, pf, rows, out);
+  if (rows == MR) tile_rows_avx512<BITS, SUB, OFFS, MR, MR, DECODED>(W, tile, four, dx, zp, pf, MR, out, decoded);
+  else tile_rows_avx512<BITS, SUB, OFFS, MR, 0, DECODED>(W, tile, four, dx, zp, pf, rows, out, decoded);
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX512 void tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out) {
+  rows_avx512<BITS, SUB, OFFS, MR, false>(W, X, tile, m0, out, nullptr);
+}
+
+// A tile decoded once for calls of more than one row group (decoded_tiles): [K/32][8 groups] of 64 code bytes, in
+// the order load_groups512 gives them, so every group's pass reads the codes it would have decoded.
+template <int BITS, int SUB, bool OFFS>
+SPECSERVE_AVX512 void decode_tile_avx512(const Packed& W, int64_t tile, __m256i* buffer) {
+  __m512i* decoded = reinterpret_cast<__m512i*>(buffer);
+  for (int64_t kb = 0; kb < W.kblocks; ++kb) {
+    const int64_t at = tile * W.kblocks + kb;
+    prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+    __m512i w[8];
+    load_groups512<BITS>(W, at, w);
+    for (int g = 0; g < 8; ++g) _mm512_storeu_si512(decoded + kb * 8 + g, w[g]);
+  }
+}
+
+template <int BITS, int SUB, bool OFFS, int MR>
+SPECSERVE_AVX512 void decoded_tile_avx512(const Packed& W, const Acts& X, int64_t tile, int64_t m0, float* out,
+                                          const __m256i* decoded) {
+  rows_avx512<BITS, SUB, OFFS, MR, true>(W, X, tile, m0, out, reinterpret_cast<const __m512i*>(decoded));
 }
 
 // ---------------------------------------------------------------- AVX2 path (maddubs: u8 x s8 pairs into int16)
@@ -617,23 +649,28 @@ std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
 using DecodedTileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*, const __m256i*);
 using DecodeFn = void (*)(const Packed&, int64_t, __m256i*);
 
-struct DecodedTiles {  // a plane format's AVX2 decode and its tile functions by row count; empty: none
+struct DecodedTiles {  // a plane format's decode (AVX2 or AVX-512) and its tile functions by row count; empty: none
   DecodeFn decode = nullptr;
   std::array<DecodedTileFn, kMaxRows + 1> rows{};
 };
 
 template <int BITS, int SUB, bool OFFS, int... MR>
-DecodedTiles decoded_for(std::integer_sequence<int, MR...>) {
+DecodedTiles decoded_for(Isa isa, std::integer_sequence<int, MR...>) {
+  if (isa == Isa::avx512)
+    return {decode_tile_avx512<BITS, SUB, OFFS>, {nullptr, decoded_tile_avx512<BITS, SUB, OFFS, MR + 1>...}};
   return {decode_tile_avx2<BITS>, {nullptr, decoded_tile_avx2<BITS, SUB, OFFS, MR + 1>...}};
 }
 
-// Only where a call's rows take more than one pass (and the format has planes) does decoding once pay.
+// Only where a call's rows take more than one pass (and the format has planes) does decoding once pay. On the
+// AVX-512 path (kernel_ab.py linear --rows 9,16,64): Q6_K, two tails a block, 1.12x / 1.10x / 1.19x at 9 / 16 / 64
+// rows, Q5_0 1.00x / 1.02x / 1.10x; a 4-bit tile decodes about as fast as it reads a decoded one back (0.88x / 0.92x /
+// 0.99x).
 DecodedTiles decoded_tiles(Isa isa, const Packed& W, int64_t M) {
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
-  if (isa != Isa::avx2 || M <= kMaxRows) return {};
+  if (isa == Isa::scalar || M <= kMaxRows) return {};
   const bool offs = W.offsets != nullptr;
-  if (W.bits == 5) return offs ? decoded_for<5, 1, true>(rows) : decoded_for<5, 1, false>(rows);
-  if (W.bits == 6 && W.group == 16 && !offs) return decoded_for<6, 2, false>(rows);
+  if (W.bits == 5) return offs ? decoded_for<5, 1, true>(isa, rows) : decoded_for<5, 1, false>(isa, rows);
+  if (W.bits == 6 && W.group == 16 && !offs) return decoded_for<6, 2, false>(isa, rows);
   return {};
 }
 
@@ -1012,8 +1049,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
   split_items(int64_t(work.size()), [&](const auto& next) {
     float block[kMaxRows * kTile];
-    std::vector<uint8_t> decoded_bytes(decoded_kblocks * 2 * 8 * sizeof(__m256i));
-    __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());  // read and written unaligned
+    // aligned to a cache line: an AVX-512 access across two lines costs two
+    std::vector<uint8_t> decoded_bytes(decoded_kblocks * 2 * 8 * sizeof(__m256i) + 64);
+    __m256i* decoded = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(decoded_bytes.data()) + 63) & ~uintptr_t(63));
     for (int64_t item; (item = next()) >= 0;) {
       const auto [i, tile] = work[item];
       const Packed& w = W[i];
