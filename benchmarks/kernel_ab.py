@@ -53,8 +53,8 @@ def build(kind: str, source: Path):
     shutil.copy(CSRC / "fp_mode.h", folder)
     shutil.copy(source, folder / source.name)
     flags = ["-O3", "-march=native"] if source.name == "cpu_kernels.cpp" else ["-O3", "-ffp-contract=off"]
-    return load(name=f"kernel_ab_{kind}_{source.stem}", sources=[str(folder / source.name)], extra_cflags=[*flags, "-fopenmp"],
-                extra_ldflags=["-fopenmp"], build_directory=str(folder))
+    return load(name=f"kernel_ab_{kind}_{source.stem}", sources=[str(folder / source.name)],
+                extra_cflags=[*flags, "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(folder))
 
 
 def prompts(count: int) -> list[str]:

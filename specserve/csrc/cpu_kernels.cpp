@@ -706,8 +706,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 // The G = H / Hkv query heads of a kv head share their mask rows, so they are computed together: each key (or
 // value) is read from the cache once per block of kHeads heads and widened in registers. A call with little work
 // runs on the calling thread alone: waking the other threads for its phases costs more than the work. With mask
-// rows enough for every thread, each thread computes whole rows (one parallel region; 1.15-1.33x at 4-16 rows on a
-// Zen 4, `kernel_ab.py attention`); with fewer (one row of few kv heads), three phases split its keys, then its
+// rows enough for every thread, each thread computes whole rows (one parallel region; 1.06-1.8x at 4-16 rows on a
+// Zen 4, least times of alternated builds); with fewer (one row of few kv heads), three phases split its keys, then its
 // head dims. Items of a single mask row each re-read the keys from L2 and ran 0.91-0.93x on a 1,000-token context.
 
 constexpr int64_t kKeyTile = 32;
@@ -845,6 +845,47 @@ void visible_keys(const bool* m, int64_t stride, int64_t S, Keys& keys) {
   keys.resize(n);
 }
 
+// Where a call's query rows, mask rows and output rows start: q [B, H, T, D], mask [B, 1, T, S], out [B, T, H, D].
+struct AttnIO {
+  const bf16* q;
+  at::IntArrayRef qs;
+  const bool* mask;
+  at::IntArrayRef ms;
+  bf16* out;
+  int64_t H, T, D;
+
+  const bool* mask_row(int64_t b, int64_t t) const { return mask + b * ms[0] + t * ms[2]; }
+  const bf16* query(int64_t b, int64_t h, int64_t t) const { return q + b * qs[0] + h * qs[1] + t * qs[2]; }
+  bf16* output(int64_t b, int64_t h, int64_t t) const { return out + ((b * T + t) * H + h) * D; }
+};
+
+// Mask rows [t0, t1) of kv head `head` (batch and kv head), whole: visible keys, scores, softmax and values, the
+// phases' arithmetic on one thread. keys, q32 and rows are the caller's scratch, reused from item to item.
+void attend_rows(const Attn& a, const AttnIO& io, int64_t head, int64_t t0, int64_t t1, std::vector<Keys>& keys,
+                 std::vector<float>& q32, std::vector<Row>& rows) {
+  const int64_t b = head / a.Hkv, G = a.G, D = a.D, n = (t1 - t0) * G;
+  keys.resize(t1 - t0);
+  q32.resize(n * D);
+  rows.resize(n);
+  for (int64_t t = t0; t < t1; ++t) {
+    Keys& visible = keys[t - t0];
+    visible_keys(io.mask_row(b, t), io.ms[3], a.S, visible);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = head % a.Hkv * G + g, r = (t - t0) * G + g;
+      widen(io.query(b, h, t), &q32[r * D], D);
+      rows[r].q = &q32[r * D];
+      rows[r].out = io.output(b, h, t);
+      rows[r].keys = &visible;
+      rows[r].p.resize(visible.size());
+    }
+  }
+  Attn span = a;
+  span.T = t1 - t0;
+  score_range(span, head, rows.data(), keys.data(), 0, a.S);
+  for (Row& row : rows) softmax_numerators(row);
+  value_range(span, head, rows.data(), keys.data(), 0, D);
+}
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                             const at::Tensor& mask_in, double scale) {
   TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4, "decode_attention: 4-d q, k, v expected");
@@ -866,20 +907,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const int64_t G = H / Hkv, heads = B * Hkv, R = T * G;
   const Attn a{k.data_ptr<bf16>(), v.data_ptr<bf16>(), Hkv, T, S, D, G, float(scale), k.strides(), v.strides()};
 
+  const AttnIO io{q.data_ptr<bf16>(), q.strides(), mask.data_ptr<bool>(), mask.strides(), out.data_ptr<bf16>(),
+                  H, T, D};
   // each phase over n items: split over the threads, or all on this one for a small call (grain n)
   const int64_t threads = at::get_num_threads();
   const bool alone = B * H * T * S * D < kInlineWork || threads == 1;
-  const auto phase = [alone](int64_t n, const auto& f) { specserve::parallel_for(0, n, alone ? std::max<int64_t>(n, 1) : 1, f); };
-  const auto mask_row = [&](int64_t b, int64_t t) {
-    return mask.data_ptr<bool>() + b * mask.stride(0) + t * mask.stride(2);
+  const auto phase = [alone](int64_t n, const auto& f) {
+    specserve::parallel_for(0, n, alone ? std::max<int64_t>(n, 1) : 1, f);
   };
-  const auto query = [&](int64_t b, int64_t h, int64_t t) {
-    return q.data_ptr<bf16>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
-  };
-  const auto output = [&](int64_t b, int64_t h, int64_t t) { return out.data_ptr<bf16>() + ((b * T + t) * H + h) * D; };
   // Each thread a kv head's mask rows, or a share of them: an item (kv head, rows [t0, t1)) computes its rows
-  // whole (scores, softmax, values) in one parallel region, where the phases below wait for each other three
-  // times. A key tile is read once for all the item's rows, as in the phases. The same arithmetic either way.
+  // whole in one parallel region, where the phases below wait for each other three times. A key tile is read
+  // once for all the item's rows, as in the phases; the same arithmetic either way.
   const int64_t row_chunks = std::min(T, (threads + heads - 1) / std::max<int64_t>(heads, 1));
   if (!alone && heads * row_chunks >= threads) {
     phase(heads * row_chunks, [&](int64_t begin, int64_t end) {
@@ -887,28 +925,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
       std::vector<float> q32;
       std::vector<Row> rows;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t head = i / row_chunks, chunk = i % row_chunks, b = head / Hkv;
-        const int64_t t0 = chunk * T / row_chunks, t1 = (chunk + 1) * T / row_chunks, n = (t1 - t0) * G;
-        keys.resize(t1 - t0);
-        q32.resize(n * D);
-        rows.resize(n);
-        for (int64_t t = t0; t < t1; ++t) {
-          Keys& visible = keys[t - t0];
-          visible_keys(mask_row(b, t), mask.stride(3), S, visible);
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t h = head % Hkv * G + g, r = (t - t0) * G + g;
-            widen(query(b, h, t), &q32[r * D], D);
-            rows[r].q = &q32[r * D];
-            rows[r].out = output(b, h, t);
-            rows[r].keys = &visible;
-            rows[r].p.resize(visible.size());
-          }
-        }
-        Attn span = a;
-        span.T = t1 - t0;
-        score_range(span, head, rows.data(), keys.data(), 0, S);
-        for (Row& row : rows) softmax_numerators(row);
-        value_range(span, head, rows.data(), keys.data(), 0, D);
+        const int64_t head = i / row_chunks, chunk = i % row_chunks;
+        attend_rows(a, io, head, chunk * T / row_chunks, (chunk + 1) * T / row_chunks, keys, q32, rows);
       }
     });
     return out.transpose(1, 2);
@@ -919,12 +937,12 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   phase(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T;
-      visible_keys(mask_row(b, t), mask.stride(3), S, keys[bt]);
+      visible_keys(io.mask_row(b, t), mask.stride(3), S, keys[bt]);
       for (int64_t h = 0; h < H; ++h) {
         Row& row = rows[(b * Hkv + h / G) * R + t * G + h % G];
         float* q32_row = &q32[((b * H + h) * T + t) * D];
-        widen(query(b, h, t), q32_row, D);
-        row = {q32_row, output(b, h, t), &keys[bt], std::vector<float>(keys[bt].size()), 0.f};
+        widen(io.query(b, h, t), q32_row, D);
+        row = {q32_row, io.output(b, h, t), &keys[bt], std::vector<float>(keys[bt].size()), 0.f};
       }
     }
   });

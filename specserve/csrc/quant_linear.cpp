@@ -1051,7 +1051,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
     float block[kMaxRows * kTile];
     // aligned to a cache line: an AVX-512 access across two lines costs two
     std::vector<uint8_t> decoded_bytes(decoded_kblocks * 2 * 8 * sizeof(__m256i) + 64);
-    __m256i* decoded = reinterpret_cast<__m256i*>((reinterpret_cast<uintptr_t>(decoded_bytes.data()) + 63) & ~uintptr_t(63));
+    const uintptr_t line = (reinterpret_cast<uintptr_t>(decoded_bytes.data()) + 63) & ~uintptr_t(63);
+    __m256i* decoded = reinterpret_cast<__m256i*>(line);
     for (int64_t item; (item = next()) >= 0;) {
       const auto [i, tile] = work[item];
       const Packed& w = W[i];
