@@ -223,13 +223,16 @@ void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t 
 // a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
 constexpr int64_t kPrefetchBlocks = 4;
 
-// Tiles of 2+ rows, on both vector paths: the block kPrefetchBlocksL2 ahead into L2 (8-16 KB). Without it a tile
-// stalled on each miss and took its arithmetic time plus its read time (a Zen 4, two threads, a 65,536 x 2,048
-// weight: VNNI tiles Q4_0 1.28x / 1.51x / 1.72x at 2 / 3 / 4 rows, Q8_0 1.0x / 1.16x / 1.33x; its AVX2 tiles Q4_0
-// 1.01x / 1.37x / 1.27x / 1.10x at 2 / 3 / 4 / 8 rows, Q5_0 1.22x at 4; the default model's lm_head 1.13-1.20x at 8
-// rows on VNNI, 1.16x at 4 on AVX2). 4-16 blocks ahead into L1 ran the VNNI tiles 0.89-0.97x. One row waits on
-// memory anyway: there the L2 prefetch cost the lm_head 0.87-0.90x on VNNI, and the VNNI tile asks for nothing.
-constexpr int kPrefetchRowsL2 = 2;
+// Every VNNI tile and the AVX2 tiles of 2+ rows: the block kPrefetchBlocksL2 ahead into L2 (8-16 KB). Without it a tile
+// stalled on each miss and took its arithmetic time plus its read time (a Zen 4, two threads, a 65,536 x 2,048 weight:
+// VNNI tiles Q4_0 1.28x / 1.51x / 1.72x at 2 / 3 / 4 rows, Q8_0 1.0x / 1.16x / 1.33x; its AVX2 tiles Q4_0 1.01x / 1.37x
+// / 1.27x / 1.10x at 2 / 3 / 4 / 8 rows, Q5_0 1.22x at 4; the default model's lm_head 1.13-1.20x at 8 rows on VNNI,
+// 1.16x at 4 on AVX2). 4-16 blocks ahead into L1 ran the VNNI tiles 0.89-0.97x. The VNNI tiles ask for it at one row
+// too: the default model's short layer linears stalled at the start of each call (its layers at one row 1.05x, a greedy
+// step 1.03-1.10x, least and median times of alternated builds; the 1B shape 1.00x; greedy generation 1.02x,
+// `kernel_ab.py engine`), where the lm_head alone at one row lost 0.96-0.98x. The AVX2 path keeps its L1 prefetch at
+// one row (measured on a Zen 3).
+constexpr int kPrefetchRowsL2 = 2;  // from this many rows on the AVX2 path
 constexpr int64_t kPrefetchBlocksL2 = 32;
 
 template <int HINT>
@@ -295,7 +298,7 @@ SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int3
     if constexpr (DECODED) {
       for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(decoded + kb * 8 + g);
     } else {
-      if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+      prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
       load_groups512<BITS>(W, at, w);
     }
     for (int sb = 0; sb < SUB; ++sb) {
