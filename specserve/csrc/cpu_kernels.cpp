@@ -861,6 +861,16 @@ struct AttnIO {
   bf16* output(int64_t b, int64_t h, int64_t t) const { return out + ((b * T + t) * H + h) * D; }
 };
 
+// Query row (b, h, t) widened into q32, and `row` pointed at it, at its output and at its mask row's visible keys.
+void start_row(Row& row, const AttnIO& io, int64_t b, int64_t h, int64_t t, float* q32, const Keys& keys) {
+  widen(io.query(b, h, t), q32, io.D);
+  row.q = q32;
+  row.out = io.output(b, h, t);
+  row.keys = &keys;
+  row.p.resize(keys.size());
+  row.sum = 0.f;
+}
+
 // Mask rows [t0, t1) of kv head `head` (batch and kv head), whole: visible keys, scores, softmax and values, the
 // phases' arithmetic on one thread. keys, q32 and rows are the caller's scratch, reused from item to item.
 void attend_rows(const Attn& a, const AttnIO& io, int64_t head, int64_t t0, int64_t t1, std::vector<Keys>& keys,
@@ -873,12 +883,8 @@ void attend_rows(const Attn& a, const AttnIO& io, int64_t head, int64_t t0, int6
     Keys& visible = keys[t - t0];
     visible_keys(io.mask_row(b, t), io.ms[3], a.S, visible);
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = head % a.Hkv * G + g, r = (t - t0) * G + g;
-      widen(io.query(b, h, t), &q32[r * D], D);
-      rows[r].q = &q32[r * D];
-      rows[r].out = io.output(b, h, t);
-      rows[r].keys = &visible;
-      rows[r].p.resize(visible.size());
+      const int64_t r = (t - t0) * G + g;
+      start_row(rows[r], io, b, head % a.Hkv * G + g, t, &q32[r * D], visible);
     }
   }
   Attn span = a;
@@ -939,13 +945,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   phase(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / T, t = bt % T;
-      visible_keys(io.mask_row(b, t), mask.stride(3), S, keys[bt]);
-      for (int64_t h = 0; h < H; ++h) {
-        Row& row = rows[(b * Hkv + h / G) * R + t * G + h % G];
-        float* q32_row = &q32[((b * H + h) * T + t) * D];
-        widen(io.query(b, h, t), q32_row, D);
-        row = {q32_row, io.output(b, h, t), &keys[bt], std::vector<float>(keys[bt].size()), 0.f};
-      }
+      visible_keys(io.mask_row(b, t), io.ms[3], S, keys[bt]);
+      for (int64_t h = 0; h < H; ++h)
+        start_row(rows[(b * Hkv + h / G) * R + t * G + h % G], io, b, h, t, &q32[((b * H + h) * T + t) * D], keys[bt]);
     }
   });
   // Every thread gets work even for one kv head: phase 1 splits its keys, phase 3 its head dims. A split only
