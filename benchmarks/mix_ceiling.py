@@ -12,6 +12,9 @@ no other work):
     maddubs              VPMADDUBSW alone, 8 independent chains (what `--step-costs` reads as the int8 peak)
     maddubs+add          VPMADDUBSW then VPADDW into 8 accumulators
     broadcast+maddubs+add  the same with each product's codes broadcast from memory, as every tile row does
+    shared-broadcast     each broadcast feeding two products (both output halves of a block, as a tile of both
+                         halves at once would)
+    shuffle+maddubs+add  the codes picked out of a register with VPSHUFD instead of a broadcast from memory
 
 A row of an AVX-512 tile spends per block of 32 inputs eight VPDPBUSD (64 multiply-adds each: 16 outputs x 4
 inputs), each with its codes as an embedded broadcast, then its fp32 tail: the zero-point term subtracted
@@ -86,12 +89,43 @@ void broadcast_maddubs_add(int64_t rounds) {
         :: "r"(codes + (r & 63) * 8) : YMM_CLOBBERS);
 }
 
+// Both output halves of a block (two weight registers) take each broadcast: 4 broadcasts per 8 products.
+void shared_broadcast(int64_t rounds) {
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile(
+        "vpbroadcastd (%0), %%ymm0\n vpmaddubsw %%ymm0, %%ymm15, %%ymm1\n vpmaddubsw %%ymm0, %%ymm14, %%ymm2\n"
+        "vpaddw %%ymm1, %%ymm8, %%ymm8\n vpaddw %%ymm2, %%ymm9, %%ymm9\n"
+        "vpbroadcastd 4(%0), %%ymm3\n vpmaddubsw %%ymm3, %%ymm13, %%ymm4\n vpmaddubsw %%ymm3, %%ymm12, %%ymm5\n"
+        "vpaddw %%ymm4, %%ymm10, %%ymm10\n vpaddw %%ymm5, %%ymm11, %%ymm11\n"
+        "vpbroadcastd 8(%0), %%ymm0\n vpmaddubsw %%ymm0, %%ymm15, %%ymm1\n vpmaddubsw %%ymm0, %%ymm14, %%ymm2\n"
+        "vpaddw %%ymm1, %%ymm8, %%ymm8\n vpaddw %%ymm2, %%ymm9, %%ymm9\n"
+        "vpbroadcastd 12(%0), %%ymm3\n vpmaddubsw %%ymm3, %%ymm13, %%ymm4\n vpmaddubsw %%ymm3, %%ymm12, %%ymm5\n"
+        "vpaddw %%ymm4, %%ymm10, %%ymm10\n vpaddw %%ymm5, %%ymm11, %%ymm11\n"
+        :: "r"(codes + (r & 63) * 8) : YMM_CLOBBERS);
+}
+
+// The codes picked out of a register with VPSHUFD (one in-lane dword each) instead of broadcast from memory.
+void shuffle_maddubs_add(int64_t rounds) {
+  for (int64_t r = 0; r < rounds; ++r)
+    asm volatile(
+        "vpshufd $0x00, %%ymm7, %%ymm0\n vpmaddubsw %%ymm0, %%ymm15, %%ymm0\n vpaddw %%ymm0, %%ymm8, %%ymm8\n"
+        "vpshufd $0x55, %%ymm7, %%ymm1\n vpmaddubsw %%ymm1, %%ymm14, %%ymm1\n vpaddw %%ymm1, %%ymm9, %%ymm9\n"
+        "vpshufd $0xaa, %%ymm7, %%ymm2\n vpmaddubsw %%ymm2, %%ymm13, %%ymm2\n vpaddw %%ymm2, %%ymm10, %%ymm10\n"
+        "vpshufd $0xff, %%ymm7, %%ymm3\n vpmaddubsw %%ymm3, %%ymm12, %%ymm3\n vpaddw %%ymm3, %%ymm11, %%ymm11\n"
+        "vpshufd $0x00, %%ymm6, %%ymm4\n vpmaddubsw %%ymm4, %%ymm15, %%ymm4\n vpaddw %%ymm4, %%ymm8, %%ymm8\n"
+        "vpshufd $0x55, %%ymm6, %%ymm5\n vpmaddubsw %%ymm5, %%ymm14, %%ymm5\n vpaddw %%ymm5, %%ymm9, %%ymm9\n"
+        "vpshufd $0xaa, %%ymm6, %%ymm0\n vpmaddubsw %%ymm0, %%ymm13, %%ymm0\n vpaddw %%ymm0, %%ymm10, %%ymm10\n"
+        "vpshufd $0xff, %%ymm6, %%ymm1\n vpmaddubsw %%ymm1, %%ymm12, %%ymm1\n vpaddw %%ymm1, %%ymm11, %%ymm11\n"
+        ::: YMM_CLOBBERS);
+}
+
 VNNI_LOOPS
 
 // Multiply-adds per second of `loop` on `threads` threads started together (the best of a few runs).
 double rate(const std::string& name, int64_t threads, double seconds) {
   void (*loop)(int64_t) = name == "maddubs" ? maddubs : name == "maddubs+add" ? maddubs_add
-      : name == "broadcast+maddubs+add" ? broadcast_maddubs_add : VNNI_CHOICE nullptr;
+      : name == "broadcast+maddubs+add" ? broadcast_maddubs_add : name == "shared-broadcast" ? shared_broadcast
+      : name == "shuffle+maddubs+add" ? shuffle_maddubs_add : VNNI_CHOICE nullptr;
   TORCH_CHECK(loop != nullptr, "unknown loop ", name);
   const int64_t macs_per_round = name.rfind("vnni", 0) == 0 ? kVnniMacsPerRound : kMacsPerRound;
   const int64_t rounds = 1 << 20;
@@ -122,7 +156,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-LOOPS = ("maddubs", "maddubs+add", "broadcast+maddubs+add")
+LOOPS = ("maddubs", "maddubs+add", "broadcast+maddubs+add", "shared-broadcast", "shuffle+maddubs+add")
 VNNI = ("vnni", "vnni+broadcast", "vnni+broadcast+tail")
 ROWS = 8  # a VNNI round: 8 rows x 8 groups, zmm0-7 the rows' sums, zmm8-15 the groups' codes, zmm16-23 fp32 sums
 
@@ -176,7 +210,7 @@ def one_b_multiply_adds(tokens: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=1.0, help="per loop and thread count")
-    parser.add_argument("--one-token-ms", type=float, default=35.4,
+    parser.add_argument("--one-token-ms", type=float, default=25.0,
                         help="the 1B shape's one-token step here (docs/benchmarks.md), for the last line")
     parser.add_argument("--avx2-only", action="store_true", help="the AVX2 loops only, on a CPU with VNNI too")
     args = parser.parse_args()

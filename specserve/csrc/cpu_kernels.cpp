@@ -707,8 +707,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 // value) is read from the cache once per block of kHeads heads and widened in registers. A call with little work
 // runs on the calling thread alone: waking the other threads for its phases costs more than the work. With mask
 // rows enough for every thread, each thread computes whole rows (one parallel region; 1.06-1.8x at 4-16 rows on a
-// Zen 4, least times of alternated builds); with fewer (one row of few kv heads), three phases split its keys, then its
-// head dims. Items of a single mask row each re-read the keys from L2 and ran 0.91-0.93x on a 1,000-token context.
+// Zen 4, 1.07-1.6x on a Zen 3's AVX2 build, least times of alternated builds); with fewer (one row of few kv heads),
+// three phases split its keys, then its head dims. Items of a single mask row each re-read the keys from L2 and ran
+// 0.91-0.93x on a 1,000-token context.
 
 constexpr int64_t kKeyTile = 32;
 constexpr int kHeads = 4;  // query heads per register block

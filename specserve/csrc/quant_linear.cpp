@@ -217,21 +217,21 @@ void screen_bounds_scalar(const Packed& W, const Acts& X, int64_t tile, int64_t 
 // Ask for a weight block ahead (codes, planes, scales, offsets) while this one is computed. One row on AVX2: the block
 // kPrefetchBlocks ahead into L1. An AVX2 core spends about as long on a block's integer work as on its load from
 // memory, and the hardware prefetcher alone does not overlap the two: on a Zen 3 this made the lm_head 1.05x faster
-// at one row and 1.10-1.17x at 2..8 rows (where the L2 prefetch below has replaced it, measured on a Zen 4's AVX2
-// path, not on a Zen 3).
+// at one row and 1.10-1.17x at 2..8 rows (where the L2 prefetch below has replaced it).
 // Past a weight's last block the addresses lie outside it: a prefetch never faults, so they are not clamped (with
 // a bounds test in this function GCC emitted no prefetch at all), and they are formed as integers, not pointers.
 constexpr int64_t kPrefetchBlocks = 4;
 
-// Every VNNI tile and the AVX2 tiles of 2+ rows: the block kPrefetchBlocksL2 ahead into L2 (8-16 KB). Without it a tile
-// stalled on each miss and took its arithmetic time plus its read time (a Zen 4, two threads, a 65,536 x 2,048 weight:
-// VNNI tiles Q4_0 1.28x / 1.51x / 1.72x at 2 / 3 / 4 rows, Q8_0 1.0x / 1.16x / 1.33x; its AVX2 tiles Q4_0 1.01x / 1.37x
-// / 1.27x / 1.10x at 2 / 3 / 4 / 8 rows, Q5_0 1.22x at 4; the default model's lm_head 1.13-1.20x at 8 rows on VNNI,
-// 1.16x at 4 on AVX2). 4-16 blocks ahead into L1 ran the VNNI tiles 0.89-0.97x. The VNNI tiles ask for it at one row
-// too: the default model's short layer linears stalled at the start of each call (its layers at one row 1.05x, a greedy
-// step 1.03-1.10x, least and median times of alternated builds; the 1B shape 1.00x; greedy generation 1.02x,
-// `kernel_ab.py engine`), where the lm_head alone at one row lost 0.96-0.98x. The AVX2 path keeps its L1 prefetch at
-// one row (measured on a Zen 3).
+// Every VNNI tile and the AVX2 tiles of 2+ rows: the block kPrefetchBlocksL2 ahead into L2 (8-16 KB). Without it a
+// tile stalled on each miss and took its arithmetic time plus its read time (a Zen 4, two threads, a 65,536 x 2,048
+// weight: VNNI tiles Q4_0 1.28x / 1.51x / 1.72x at 2 / 3 / 4 rows, Q8_0 1.0x / 1.16x / 1.33x; its AVX2 tiles Q4_0
+// 1.01x / 1.37x / 1.27x / 1.10x at 2 / 3 / 4 / 8 rows, Q5_0 1.22x at 4; the default model's lm_head 1.13-1.20x at 8
+// rows on VNNI, 1.16x at 4 on AVX2. A Zen 3 against the L1 prefetch: the 1B shape's forwards of 5 / 8 / 16 rows
+// 1.04x / 1.06x / 1.10x, its lm_head at 5 rows 1.10x, the default model's forwards 0.98-1.03x). 4-16 blocks ahead
+// into L1 ran the VNNI tiles 0.89-0.97x. The VNNI tiles ask for it at one row too: the default model's short layer
+// linears stalled at the start of each call (its layers at one row 1.05x, a greedy step 1.03-1.10x, least and median
+// times of alternated builds; the 1B shape 1.00x; greedy generation 1.02x, `kernel_ab.py engine`), where the lm_head
+// alone at one row lost 0.96-0.98x. The AVX2 path keeps its L1 prefetch at one row (measured on a Zen 3).
 constexpr int kPrefetchRowsL2 = 2;  // from this many rows on the AVX2 path
 constexpr int64_t kPrefetchBlocksL2 = 32;
 
