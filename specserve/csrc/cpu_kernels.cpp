@@ -927,7 +927,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   // Each thread a kv head's mask rows, or a share of them: an item (kv head, rows [t0, t1)) computes its rows
   // whole in one parallel region, where the phases below wait for each other three times. A key tile is read
   // once for all the item's rows, as in the phases; the same arithmetic either way.
-  const int64_t row_chunks = std::min(T, (threads + heads - 1) / std::max<int64_t>(heads, 1));
+  const int64_t threads_per_head = (threads + heads - 1) / std::max<int64_t>(heads, 1);
+  const int64_t row_chunks = std::min(T, threads_per_head);
   if (!alone && heads * row_chunks >= threads) {
     phase(heads * row_chunks, [&](int64_t begin, int64_t end) {
       std::vector<Keys> keys;
@@ -953,7 +954,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   });
   // Every thread gets work even for one kv head: phase 1 splits its keys, phase 3 its head dims. A split only
   // decides which thread computes an element, never how.
-  const int64_t split = alone ? 1 : (threads + heads - 1) / std::max<int64_t>(heads, 1);
+  const int64_t split = alone ? 1 : threads_per_head;
   const int64_t key_chunk = round_up((S + split - 1) / split, kKeyTile), key_chunks = (S + key_chunk - 1) / key_chunk;
   const int64_t dim_chunk = round_up((D + split - 1) / split, 32), dim_chunks = (D + dim_chunk - 1) / dim_chunk;
   phase(heads * key_chunks, [&](int64_t begin, int64_t end) {
