@@ -30,6 +30,11 @@ over from request to request through the pool). Drafting seconds are learnt only
 step (hence probes of two): the first one after skipped steps also catches the head up on the tokens it skipped (a
 one-off, like a prefill), which a steady step does not pay. Until one steady step is measured the gate stays open.
 
+An open gate learns nothing more about the cheap step, and a slow reading of it (one noisy step) would keep a
+losing head drafting for good; so where steps are measured, an open gate takes one cheap step after `recheck`
+drafted ones. A recheck whose reading agrees that drafting pays doubles the wait (up to MAX_BACKOFF); one that
+does not keeps it at RECHECK_FIRST until the estimate has followed the readings.
+
 Both kinds of step verify with the same verifier, so the gate changes speed only, never the output.
 """
 
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 REOPEN_MARGIN = 1.1  # a closed gate reopens only where the full draft's rate beats the cheap step's by this
 MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
 PROBE_STEPS = 2
+RECHECK_FIRST = 4  # drafted steps before an open gate first measures the cheap step again
 PROBE_SHARE = 0.02  # of a gated request's time, what its probes may cost at most: a dear probe waits longer
 DECAY = 0.8  # per observed step, the share of a request's estimate kept
 POOL_DECAY = 0.97
@@ -92,6 +98,8 @@ class GatePool:
     cheap: Arm = field(default_factory=Arm)
     backoff: int = 1
     skipped: int = 0  # cheap steps since the last probe, over requests (a long backoff spans several)
+    recheck: int = RECHECK_FIRST
+    drafted: int = 0  # drafted steps since the last cheap one, over requests
 
 
 class DraftGate:
@@ -103,6 +111,8 @@ class DraftGate:
         self.drafted_last = False  # whether the previous step drafted in full (its drafting cost is steady)
         self.probe_steps = 0  # full steps left in the current probe
         self.closed = False  # whether the last decision outside a probe was a cheap step
+        self.recheck, self.drafted = pool.recheck, pool.drafted
+        self.rechecking = False  # whether this step is an open gate's cheap step
 
     def rate(self, arm: Arm, verify_seconds) -> float:
         measured = self.full.seconds is not None and self.cheap.seconds is not None  # compare like with like
@@ -131,7 +141,8 @@ class DraftGate:
             return False
         if self.pays(verify_seconds, self.reopen_margin()):
             self.closed = False
-            return True
+            self.rechecking = self.cheap.seconds is not None and self.drafted >= self.recheck
+            return not self.rechecking
         self.closed = True
         self.skipped += 1
         self.pool.skipped = self.skipped
@@ -151,7 +162,10 @@ class DraftGate:
         arm.observe(tokens, nodes, seconds, step, DECAY)
         pooled.observe(tokens, nodes, seconds, step, POOL_DECAY)
         self.drafted_last = drafted_in_full
+        self.drafted = self.pool.drafted = self.drafted + 1 if drafted_in_full else 0
         if not drafted_in_full:
+            if self.rechecking:
+                self._rechecked(tokens, step_seconds)
             return
         self.skipped = self.pool.skipped = 0
         probing = self.probe_steps > 0
@@ -166,6 +180,13 @@ class DraftGate:
         elif probing:
             self.backoff = min(2 * self.backoff, self.longest_backoff(verify_seconds))
         self.pool.backoff = self.backoff
+
+    def _rechecked(self, tokens: int, step_seconds: float | None) -> None:
+        """Wait longer for the next recheck only where this one's reading, by itself, says drafting pays."""
+        self.rechecking = False
+        agrees = step_seconds is not None and self.full.seconds is not None and \
+            (self.full.tokens or 1.0) / self.full.seconds >= tokens / step_seconds
+        self.recheck = self.pool.recheck = min(2 * self.recheck, MAX_BACKOFF) if agrees else RECHECK_FIRST
 
     def longest_backoff(self, verify_seconds) -> int:
         """MAX_BACKOFF, or longer where a probe's extra time would be more than PROBE_SHARE of the cheap steps
