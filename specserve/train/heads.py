@@ -106,7 +106,7 @@ def layer_train(layer: HeadLayer, x, embeds, cos, sin, past: list) -> torch.Tens
     past.append((k, v))
     scale = attn.head_dim ** -0.5
     k0, v0 = past[0]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
     scores += [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in past[1:]]
     probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)

@@ -8,11 +8,10 @@ import torch
 
 def pick_draft_vocab(records: list[dict], vocab_size: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens in the data (labels and text), ties by id; sorted ids."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for r in records:
-        counts += torch.bincount(torch.cat([r["labels"], r["tokens"]]), minlength=vocab_size)[:vocab_size]
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:min(size, vocab_size)]))
+    ids = torch.cat([t for r in records for t in (r["labels"], r["tokens"])])
+    counts = torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
+    order = torch.sort(-counts, stable=True).indices  # stable: ties keep id order
+    return torch.sort(order[:min(size, vocab_size)]).values
 
 
 def subset_labels(labels: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

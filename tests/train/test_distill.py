@@ -98,3 +98,26 @@ def test_more_data_goes_in_a_second_directory_and_trains_with_the_first(distille
     with pytest.raises(ValueError, match="one --features per --distilled"):
         train_distilled(target, target, "eagle3", [root / "tokens", tmp_path / "tokens"], [root / "features"],
                         tmp_path / "other", [], settings)
+
+
+def test_features_batched_on_transformers_equal_specserves_own_forward(distilled, tmp_path):
+    """`specserve.train.accelerated` computes features with transformers' model in padded, length-sorted batches:
+    the same records as `load_distilled` recomputing them with specserve's forward, sequence by sequence."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.speculative.eagle import default_aux_layer_ids
+    from specserve.train.accelerated import records_of
+
+    target, root, _ = distilled
+    model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=torch.float32).eval()
+    aux = default_aux_layer_ids(target.model.spec.num_layers)
+    batched = records_of([root / "tokens"], model, aux, torch.device("cpu"), tokens_per_batch=40)
+    expected = load_distilled(root / "tokens", tmp_path / "recomputed", target)
+    assert len(batched) == len(expected)
+    for got, want in zip(batched, expected):
+        assert got["loss_from"] == want["loss_from"]
+        assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["labels"], want["labels"])
+        for key in ("aux", "final"):
+            assert got[key].shape == want[key].shape
+            error = (got[key].float() - want[key].float()).norm() / want[key].float().norm()
+            assert error < 1e-2, (key, float(error))  # bf16 rounding of near-equal fp32 values
