@@ -142,23 +142,14 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers import AutoTokenizer
 
     packed_only = too_large_to_dequantize(gguf_path)
     what = "its norms and biases only" if packed_only else "dequantizing"
     print(f"specserve: converting {gguf_path.name} once ({what} to {out}) ...", file=sys.stderr, flush=True)
     try:
-        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-        config_dict = dict(parsed["config"])
-        config_dict.pop("quantization_config", None)
-        config = AutoConfig.for_model(**config_dict)
-        if packed_only:
-            tensors = small_dense_tensors(gguf_path, config)
-        else:
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(config)
-            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        config = gguf_config(gguf_path)
+        tensors = small_dense_tensors(gguf_path, config) if packed_only else dequantized_gguf(gguf_path, config)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except ModelLoadError:
         raise
@@ -173,6 +164,26 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
     staging.rename(out)
     return out
+
+
+def gguf_config(gguf_path: Path):
+    """The transformers config that a GGUF file's metadata describes."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config_dict = dict(load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
+    config_dict.pop("quantization_config", None)
+    return AutoConfig.for_model(**config_dict)
+
+
+def dequantized_gguf(gguf_path: Path, config) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file as fp32 under its HF name (transformers' GGUF reader)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
 
 
 _GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}

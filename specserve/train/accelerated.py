@@ -26,28 +26,13 @@ from pathlib import Path
 
 import torch
 
-from specserve.models.loader import LoadedModel, build_model
+from specserve.models.loader import LoadedModel, build_model, dequantized_gguf, gguf_config
 from specserve.speculative.eagle import default_aux_layer_ids
 from specserve.train.distill import load_token_data
 from specserve.train.heads import TrainSettings, train
 
 PROBE_STEPS = 20
 WRITING_SECONDS = 30.0  # the head's file, the history, the report
-
-
-def load_gguf_target(path: Path):
-    """(transformers config, dense fp32 tensors by HF name) of a GGUF file."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    config_dict = dict(parsed["config"])
-    config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**config_dict)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    return config, tensors
 
 
 def transformers_model(config, tensors: dict, device: torch.device, dtype: torch.dtype):
@@ -139,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     deadline = time.perf_counter() + 60 * args.minutes
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config, tensors = load_gguf_target(args.gguf)
+    config = gguf_config(args.gguf)
+    tensors = dequantized_gguf(args.gguf, config)
     dense = build_model(config, tensors, torch.float32)  # the embedding and lm_head the trainers read
     target = LoadedModel(args.gguf.stem, args.gguf, dense, None, set(), 4096)
     aux = default_aux_layer_ids(dense.spec.num_layers)
