@@ -165,7 +165,7 @@ class DraftGate:
         self.drafted = self.pool.drafted = self.drafted + 1 if drafted_in_full else 0
         if not drafted_in_full:
             if self.rechecking:
-                self._rechecked(tokens, step_seconds)
+                self._rechecked(tokens, step_seconds, verify_seconds)
             return
         self.skipped = self.pool.skipped = 0
         probing = self.probe_steps > 0
@@ -181,11 +181,10 @@ class DraftGate:
             self.backoff = min(2 * self.backoff, self.longest_backoff(verify_seconds))
         self.pool.backoff = self.backoff
 
-    def _rechecked(self, tokens: int, step_seconds: float | None) -> None:
+    def _rechecked(self, tokens: int, step_seconds: float | None, verify_seconds) -> None:
         """Wait longer for the next recheck only where this one's reading, by itself, says drafting pays."""
         self.rechecking = False
-        agrees = step_seconds is not None and self.full.seconds is not None and \
-            (self.full.tokens or 1.0) / self.full.seconds >= tokens / step_seconds
+        agrees = step_seconds is not None and self.rate(self.full, verify_seconds) >= tokens / step_seconds
         self.recheck = self.pool.recheck = min(2 * self.recheck, MAX_BACKOFF) if agrees else RECHECK_FIRST
 
     def longest_backoff(self, verify_seconds) -> int:

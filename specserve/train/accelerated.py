@@ -28,7 +28,7 @@ import torch
 
 from specserve.models.loader import LoadedModel, build_model, dequantized_gguf, gguf_config
 from specserve.speculative.eagle import default_aux_layer_ids
-from specserve.train.distill import load_token_data
+from specserve.train.distill import load_token_data, training_record
 from specserve.train.heads import TrainSettings, train
 
 PROBE_STEPS = 20
@@ -78,13 +78,7 @@ def records_of(directories: list[Path], model, aux_layer_ids: list[int], device:
     """`heads.train`'s records from token data directories (as `distill.load_distilled` makes them)."""
     sequences = [seq for directory in directories for seq in load_token_data(directory)]
     features = batched_features(model, [seq["ids"] for seq in sequences], aux_layer_ids, device, tokens_per_batch)
-    hidden = features[0].shape[-1] // (len(aux_layer_ids) + 1)
-    records = []
-    for seq, feature in zip(sequences, features):
-        ids = torch.tensor(seq["ids"])
-        records.append({"tokens": ids[:-1], "labels": ids[1:], "aux": feature[:, : len(aux_layer_ids) * hidden],
-                        "final": feature[:, len(aux_layer_ids) * hidden:], "loss_from": seq["prompt_tokens"] - 1})
-    return records
+    return [training_record(seq, feature) for seq, feature in zip(sequences, features)]
 
 
 def fitted_steps(settings: TrainSettings, target: LoadedModel, records: list[dict], seconds_left: float,

@@ -176,14 +176,19 @@ def load_distilled(directory, feature_dir, target: LoadedModel | None = None) ->
             features = [recompute_features(target, seq["ids"]) for seq in sequences]
             feature_dir.mkdir(parents=True, exist_ok=True)
             atomic_save(features, features_path)
-        for seq, feature in zip(sequences, features):
-            ids = torch.tensor(seq["ids"])
-            hidden = feature.shape[-1] // 4
-            records.append({"tokens": ids[:-1], "labels": ids[1:], "aux": feature[:, : 3 * hidden],
-                            "final": feature[:, 3 * hidden:], "loss_from": seq["prompt_tokens"] - 1})
+        records.extend(training_record(seq, feature) for seq, feature in zip(sequences, features))
     if not records:
         raise FileNotFoundError(f"{directory} holds no token shards yet (settings: {settings})")
     return records
+
+
+def training_record(seq: dict, feature: torch.Tensor) -> dict:
+    """One sequence of token data and its features (EAGLE-3's three fused layers, then the final state) as a
+    `heads.train` record."""
+    ids = torch.tensor(seq["ids"])
+    hidden = feature.shape[-1] // 4
+    return {"tokens": ids[:-1], "labels": ids[1:], "aux": feature[:, : 3 * hidden], "final": feature[:, 3 * hidden:],
+            "loss_from": seq["prompt_tokens"] - 1}
 
 
 @torch.inference_mode()
