@@ -1,21 +1,22 @@
-"""Another build of a kernel source against this checkout's, in one process, builds alternated (what such runs
-decided: docs/design-notes.md).
+"""Another build of the kernels (another revision's specserve/csrc) against this checkout's, in one process, builds
+alternated (what such runs decided: docs/design-notes.md).
 
-    git show <rev>:specserve/csrc/cpu_kernels.cpp > /tmp/old/cpu_kernels.cpp
-    python benchmarks/kernel_ab.py attention /tmp/old/cpu_kernels.cpp
-    git show <rev>:specserve/csrc/quant_linear.cpp > /tmp/old/quant_linear.cpp
-    python benchmarks/kernel_ab.py forward /tmp/old/quant_linear.cpp
-    python benchmarks/kernel_ab.py forward /tmp/old/cpu_kernels.cpp --model llama-3.2-1b-q4_0.gguf
-    python benchmarks/kernel_ab.py engine /tmp/old/quant_linear.cpp --methods ar,ngram --prompts 10
-    python benchmarks/kernel_ab.py linear /tmp/old/quant_linear.cpp
+    mkdir -p /tmp/old && git archive <rev> specserve/csrc | tar -x -C /tmp/old
+    python benchmarks/kernel_ab.py attention /tmp/old/specserve/csrc
+    python benchmarks/kernel_ab.py forward /tmp/old/specserve/csrc --model llama-3.2-1b-q4_0.gguf
+    python benchmarks/kernel_ab.py engine /tmp/old/specserve/csrc --methods ar,ngram --prompts 10
+    python benchmarks/kernel_ab.py linear /tmp/old/specserve/csrc
+
+The other csrc must have this layout (module.cpp and its variant_*.cpp, one extension); it is compiled at run
+time with setup.py's flags. Both builds run the variant SPECSERVE_KERNELS picks (the fastest by default).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
 `forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows after 200 cached
 tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head alone at 1,
 5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits
-of a 64-token forward checked bit-identical. The other build is a quant_linear.cpp that reads this checkout's packed
-layout (same `PACK_VERSION`), or a cpu_kernels.cpp (the layer loop, attention and glue kernels).
+of a 64-token forward checked bit-identical. The other build must read this checkout's packed layout (same
+`PACK_VERSION`).
 `linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q4_0, Q5_0,
 Q4_K, Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
 reports the least time of all calls: on this VM stolen time only adds, and the median moved by 20% between builds
@@ -39,22 +40,35 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[1] / "specserve" / "csrc"
 HERE = Path(__file__).parent
 HUMANEVAL = HERE.parent.parent / "shared" / "data" / "humaneval_question.jsonl"
 ATTENTION_SHAPES = ((1, 4, 1, 200), (1, 4, 5, 200), (1, 4, 8, 1000), (8, 4, 4, 300), (2, 3, 3, 50), (1, 8, 2, 100))
 
 
-def build(kind: str, source: Path):
-    """The other build, compiled from a copy of `source` next to this checkout's headers."""
+def build(csrc: Path):
+    """The other build: a copy of the csrc folder `csrc` compiled into one extension, with setup.py's flags."""
     from torch.utils.cpp_extension import load
 
     folder = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
-    shutil.copy(CSRC / "fp_mode.h", folder)
-    shutil.copy(source, folder / source.name)
-    flags = ["-O3", "-march=native"] if source.name == "cpu_kernels.cpp" else ["-O3", "-ffp-contract=off"]
-    return load(name=f"kernel_ab_{kind}_{source.stem}", sources=[str(folder / source.name)],
-                extra_cflags=[*flags, "-fopenmp"], extra_ldflags=["-fopenmp"], build_directory=str(folder))
+    shutil.copytree(csrc, folder / "csrc")
+    return load(name="kernel_ab_other", sources=sorted(str(path) for path in (folder / "csrc").glob("*.cpp")),
+                extra_cflags=["-O3", "-g0", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+                build_directory=str(folder))
+
+
+def use_extension(ext) -> None:
+    """Make `ext` (this checkout's specserve._C or the other build) the one every kernel call goes through."""
+    from specserve.models import cpu_kernels
+
+    cpu_kernels.extension = lambda: ext
+    cpu_kernels._loaded.clear()
+
+
+def chosen_variant(ext):
+    """The variant submodule of `ext` that SPECSERVE_KERNELS picks."""
+    from specserve.models import cpu_kernels
+
+    return getattr(ext, cpu_kernels.choose_variant(ext, cpu_kernels.mode()))
 
 
 def prompts(count: int) -> list[str]:
@@ -106,19 +120,18 @@ def attention_cases(other, this, rounds: int) -> None:
     compare(runs, lambda name: current.update(kernels=other if name == "other" else this), rounds, calls=20)
 
 
-def forward_cases(other, source: Path, rounds: int, model_name: str | None) -> None:
-    from specserve.models import cpu_kernels, quant
+def forward_cases(other, this, rounds: int, model_name: str | None) -> None:
+    from specserve.models import quant
     from specserve.models.kernel_forward import kernel_plan
     from specserve.models.kv_cache import KVCache
     from specserve.models.loader import load_model
 
-    module = cpu_kernels if source.name == "cpu_kernels.cpp" else quant  # whose build is switched
-    this, loaded = (cpu_kernels._require() if module is cpu_kernels else quant._kernel()), load_model(model_name)
+    loaded = load_model(model_name)
     model = loaded.model
     plan = kernel_plan(model)
 
     def use(name: str) -> None:
-        module._ext = other if name == "other" else this
+        use_extension(other if name == "other" else this)
         plan._stack = None  # the layer loop holds the kernels it was made with
 
     def forward(rows: int, logits: bool, context: int = 200, batch: int = 1):
@@ -166,12 +179,11 @@ LINEAR_FORMATS = ((4, 32, 8, False, "Q4_0"), (5, 32, 16, False, "Q5_0"), (4, 32,
                   (6, 16, 32, False, "Q6_K"), (8, 32, 128, False, "Q8_0"))  # bits, group, zero, offsets, name
 
 
-def linear_cases(other, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)) -> None:
+def linear_cases(other, this, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)) -> None:
     import numpy as np
 
     from specserve.models import quant
 
-    this = quant._kernel()
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     n, k = 8192, 640
@@ -186,20 +198,20 @@ def linear_cases(other, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 
         for m, x in inputs.items():
             outputs = []
             for kernels in (other, this):
-                quant._ext = kernels
+                use_extension(kernels)
                 outputs.append(weight.matmul(x))
             assert torch.equal(*outputs), f"{name} at {m} rows: outputs differ"
     print("outputs bit-identical")
     best: dict[tuple[str, int, str], float] = {}
     for round_ in range(rounds):
         for build_name in ("other", "this") if round_ % 2 == 0 else ("this", "other"):
-            quant._ext = other if build_name == "other" else this
+            use_extension(other if build_name == "other" else this)
             for name, weight in weights.items():
                 for m, x in inputs.items():
                     seconds = timed(lambda: weight.matmul(x), calls=15, statistic=min)
                     key = (name, m, build_name)
                     best[key] = min(best.get(key, seconds), seconds)
-    quant._ext = this
+    use_extension(this)
     for name in weights:
         for m in rows:
             old, new = best[(name, m, "other")], best[(name, m, "this")]
@@ -219,20 +231,19 @@ def final_states(model, tokenizer, count: int) -> torch.Tensor:
     return model(ids, positions, cache, positions, output_layers=(-1,)).hidden_states[-1][0]
 
 
-def engine_cases(other, methods: list[str], count: int) -> None:
+def engine_cases(other, this, methods: list[str], count: int) -> None:
     from dataclasses import replace
 
     from specserve.config import DeploymentConfig, build_engine
-    from specserve.models import quant
     from specserve.models.kernel_forward import kernel_plan
     from specserve.models.loader import load_model
     from specserve.speculative.sampling import SamplingParams
 
-    this, target, base = quant._kernel(), load_model(), DeploymentConfig()
+    target, base = load_model(), DeploymentConfig()
     questions, params = prompts(count), SamplingParams(max_tokens=128)
 
     def use(name: str) -> None:
-        quant._ext = other if name == "other" else this
+        use_extension(other if name == "other" else this)
         kernel_plan(target.model)._stack = None  # the layer loop holds the kernel it was made with
 
     for method in methods:
@@ -257,25 +268,24 @@ def engine_cases(other, methods: list[str], count: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=("attention", "forward", "linear", "engine"))
-    parser.add_argument("source", type=Path, help="the other build's cpu_kernels.cpp (attention, forward) or "
-                                                  "quant_linear.cpp (forward, linear, engine)")
+    parser.add_argument("csrc", type=Path, help="the other build's specserve/csrc folder")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", default="ar,ngram", help="engine: the methods compared")
     parser.add_argument("--prompts", type=int, default=10, help="engine: prompts from each set")
     parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="linear: the row counts")
     parser.add_argument("--model", default=None, help="forward: a .gguf file or checkpoint (default: the embedded one)")
     args = parser.parse_args()
-    other = build("forward" if args.kind in ("engine", "linear") else args.kind, args.source)
-    if args.kind == "attention":
-        from specserve.models import cpu_kernels
+    from specserve.models import cpu_kernels
 
-        attention_cases(other, cpu_kernels._require(), args.rounds)
+    other, this = build(args.csrc), cpu_kernels.extension()
+    if args.kind == "attention":
+        attention_cases(chosen_variant(other), chosen_variant(this), args.rounds)
     elif args.kind == "engine":
-        engine_cases(other, args.methods.split(","), args.prompts)
+        engine_cases(other, this, args.methods.split(","), args.prompts)
     elif args.kind == "linear":
-        linear_cases(other, args.rounds, tuple(int(m) for m in args.rows.split(",")))
+        linear_cases(other, this, args.rounds, tuple(int(m) for m in args.rows.split(",")))
     else:
-        forward_cases(other, args.source, args.rounds, args.model)
+        forward_cases(other, this, args.rounds, args.model)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ prompts and token ids, warm-up excluded. The run writes
   `docs/results/<cpu>-step-costs.png` (a forward of k tokens against one);
 * the README's results table, between its `results:start` / `results:end` markers, from that JSON.
 
-Peers join when installed: llama.cpp (`pip install 'specserve[llamacpp]'`) in the offline sets; HF transformers with
-`--hf`. Run it with nothing else on the machine: two processes on two cores slow each other several times over.
+Peers join when installed: llama.cpp built natively (`python -m specserve.bench.native_llamacpp`, the
+`llamacpp-native` rows) and through llama-cpp-python (`pip install 'specserve[llamacpp]'`) in the offline sets; HF
+transformers with `--hf`. Run it with nothing else on the machine: two processes on two cores slow each other several times over.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
+
+from specserve.bench.native_llamacpp import server_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
@@ -110,6 +113,8 @@ def run(machine: dict, quick: bool, hf: bool, save) -> dict:
     """Every part in turn, the report saved after each (a part that fails leaves the ones before it)."""
     prompts, tokens = (4, 64) if quick else (20, 128)
     methods = (QUICK_METHODS if quick else FULL_METHODS) + (",hf,hf-pld" if hf else "")
+    if server_binary() is not None:
+        methods += ",llamacpp-native"
     if find_spec("llama_cpp") is not None:
         methods += ",llamacpp,llamacpp-pld"
     sets = {"general": GENERAL}

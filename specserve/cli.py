@@ -13,6 +13,7 @@ import typer
 from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, build_engine, load_model_yaml,
                               resolve_tensor_parallel_size)
 from specserve.engine.engine import RequestError
+from specserve.models import cpu_kernels
 from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
 from specserve.speculative import registry
@@ -21,7 +22,19 @@ from specserve.speculative.suffix import SCOPES as SUFFIX_SCOPES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Speculative decoding inference: generate, bench, serve.")
-USER_ERRORS = (ConfigError, ModelLoadError, RequestError, ChatTemplateError)
+USER_ERRORS = (ConfigError, ModelLoadError, RequestError, ChatTemplateError, cpu_kernels.KernelsUnavailable)
+KERNELS_HELP = ("CPU kernels: auto (the fastest variant this CPU runs), scalar, avx2, avx512, amx, or off (PyTorch's "
+                "own ops: slower, and not row-invariant, so speculation is no longer exactly lossless). Also "
+                f"${cpu_kernels.ENV}.")
+
+
+@app.callback()
+def options(kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP)) -> None:
+    """Speculative decoding inference: generate, bench, serve."""
+    if kernels is not None:
+        if kernels not in cpu_kernels.MODES:
+            fail(f"--kernels {kernels!r} is not one of {', '.join(cpu_kernels.MODES)}")
+        os.environ[cpu_kernels.ENV] = kernels  # ranks started for tensor parallelism inherit it
 
 
 def fail(message: str) -> None:
@@ -68,8 +81,9 @@ METHOD_HELP = f"{registry.method_help()}; default: the model.yaml's, else {regis
 QUANT_HELP = ("Weight storage: gguf (a GGUF's own quantized blocks; the default for GGUF models), none (dequantized "
               "to --dtype), int8 or int4 (weight-only, per block of 32, any checkpoint).")
 DRAFT_HELP = registry.model_help()
-BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp, llamacpp-pld "
-                      "(with llama-cpp-python installed: pip install 'specserve\\[llamacpp]'); "
+BENCH_METHODS_HELP = (f"Comma-separated: {', '.join(registry.method_names())}, hf, hf-pld, llamacpp-native "
+                      "(llama.cpp's llama-server built natively: python -m specserve.bench.native_llamacpp), "
+                      "llamacpp, llamacpp-pld (through llama-cpp-python: pip install 'specserve\\[llamacpp]'); "
                       f"{registry.combination_hint()}.")
 TP_HELP = ("Shard the model over N ranks (tensor parallelism; the model.yaml's tensor_parallel_size otherwise). "
            "specserve starts the ranks on this host; under torchrun, every host runs the same command and the "
@@ -333,6 +347,25 @@ def serve(
         server.run()
     except KeyboardInterrupt:
         pass
+
+
+@app.command("convert")
+def convert_command(
+    out: Path = typer.Argument(..., help="The HF checkpoint directory to write (must not exist)."),
+    model: Optional[str] = typer.Option(None, help=MODEL_HELP.removesuffix(" or a model.yaml")),
+    dtype: str = typer.Option("float32", help="Dtype of the written weights: float32, bfloat16 or float16."),
+) -> None:
+    """Write a model (a GGUF file's weights dequantized) as a full HF checkpoint directory, for other tools:
+    specserve itself runs a GGUF from the file."""
+    from specserve.models.loader import export_hf_checkpoint, parse_dtype
+
+    if out.exists():
+        fail(f"{out} exists: give a new directory")
+    try:
+        written = export_hf_checkpoint(model or DEFAULT_MODEL, out, parse_dtype(dtype))
+    except USER_ERRORS as exc:
+        fail(str(exc))
+    typer.echo(f"Wrote {written}")
 
 
 @app.command("convert-dataset")

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
 
+from specserve.models import cpu_kernels
 from specserve.models.loader import load_model
 
 CORPUS = [
@@ -22,6 +23,15 @@ CORPUS = [
     "The quick brown fox jumps over the lazy dog. The lazy dog sleeps all day long.",
     "for i in range(10):\n    print(i * i)\n",
 ] * 20
+
+
+def runnable_kernel_variants() -> list[str]:
+    """The kernel variants compiled in and run by this CPU (a collection error, not a skip, when the kernels do not
+    load)."""
+    ext = cpu_kernels.extension()
+    return [name for name in ext.VARIANTS if ext.cpu_runs(name)]
+
+
 VOCAB = 384
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

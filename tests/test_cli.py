@@ -150,6 +150,62 @@ def test_bench_llamacpp_methods_say_what_they_need(checkpoint):
         run_bench(DeploymentConfig(ModelConfig(checkpoint("llama"))), target, ["def f():"], ["ar", "llamacpp"], 4)
 
 
+def test_bench_native_llamacpp_says_what_it_needs(checkpoint, monkeypatch, tmp_path):
+    from specserve.bench.native_llamacpp import SERVER_ENV
+    from specserve.bench.offline import run_bench
+    from specserve.config import ConfigError, DeploymentConfig, ModelConfig
+    from specserve.models.loader import load_model
+
+    target = load_model(checkpoint("llama"), dtype=torch.float32)
+    config = DeploymentConfig(ModelConfig(checkpoint("llama")))
+    with pytest.raises(ConfigError, match="GGUF models only"):
+        run_bench(config, target, ["def f():"], ["ar", "llamacpp-native"], 4)
+    monkeypatch.setenv(SERVER_ENV, str(tmp_path / "no-such-llama-server"))
+    from specserve.bench import native_llamacpp
+
+    with pytest.raises(ConfigError, match="python -m specserve.bench.native_llamacpp"):
+        native_llamacpp.native_runner(target, tmp_path / "m.gguf", "def f():", 4)
+
+
+def test_native_llamacpp_runner_times_by_llamacpps_own_timings():
+    """Each request's seconds are llama.cpp's prompt_ms + predicted_ms; decode and prefill rates apart."""
+    from specserve.bench.native_llamacpp import NativeRunner
+
+    class Server:
+        sent: list = []
+
+        def complete(self, ids, max_tokens):
+            self.sent.append((ids, max_tokens))
+            return {"tokens": [7, 8, 9], "timings": {"prompt_n": len(ids), "prompt_ms": 20.0, "predicted_n": 4,
+                                                     "predicted_ms": 80.0}}
+
+        def close(self):
+            self.closed = True
+
+    server = Server()
+    runner = NativeRunner(server, lambda text: type("Ids", (), {"input_ids": [1] + [ord(c) for c in text]})(),
+                          "warm", 4)
+    runner.step("ab")
+    runner.step("abcd")
+    run = runner.finish()
+    assert server.sent[1:] == [([1, 97, 98], 4), ([1, 97, 98, 99, 100], 4)] and server.closed
+    assert run.outputs == [[7, 8, 9]] * 2 and run.output_tokens == 8 and run.seconds == pytest.approx(0.2)
+    assert run.method_state["decode_tokens_per_s"] == pytest.approx(50.0)
+    assert run.method_state["prefill_tokens_per_s"] == pytest.approx(8 / 0.04)
+
+
+def test_kernels_off_runs_without_the_compiled_kernels(checkpoint, monkeypatch):
+    from specserve.models import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")  # the flag sets it for the process: put back after the test
+    result = invoke("--kernels", "off", "generate", "def fibonacci(n):", "--model", checkpoint("llama"),
+                    "--max-tokens", 8, "--json")
+    assert result.exit_code == 0, result.output
+    assert 1 <= json.loads(result.stdout)["metrics"]["output_tokens"] <= 8
+    bad = invoke("--kernels", "avx9000", "generate", "x", "--model", checkpoint("llama"))
+    assert bad.exit_code == 2 and "not one of auto, off" in bad.output
+
+
 def test_bench_methods_take_turns_prompt_by_prompt(checkpoint, monkeypatch):
     """Every method answers a prompt before the next prompt starts, so a drift in the machine's speed during a run
     moves every method alike."""

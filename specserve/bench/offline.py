@@ -6,7 +6,9 @@ methods taking turns prompt by prompt (every method answers a prompt before the 
 the machine's speed during the run moves every method alike; tokens/s is total output tokens over total wall time,
 so ratios between methods are side by side on the same machine, prompts and token ids. `llamacpp` /
 `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the same GGUF, through llama-cpp-python when it is
-installed) take the very token ids specserve's tokenizer makes.
+installed) and `llamacpp-native` (llama.cpp's own llama-server built natively: native_llamacpp.py) take the very token
+ids specserve's tokenizer makes. llama-cpp-python's per-token Python loop slows llama.cpp by 20-35%: compare against
+`llamacpp-native`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from specserve.speculative.sampling import SamplingParams
 
 HF_METHODS = ("hf", "hf-pld")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")
-PEER_METHODS = HF_METHODS + LLAMACPP_METHODS
+NATIVE_METHOD = "llamacpp-native"
+PEER_METHODS = HF_METHODS + LLAMACPP_METHODS + (NATIVE_METHOD,)
 
 
 def load_prompts(path: Path, limit: int | None = None) -> list[str]:
@@ -145,7 +148,11 @@ def hf_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str
     """transformers' generate() on the same checkpoint and dtype (hf-pld: its prompt lookup decoding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=target.model.dtype).eval()
+    if target.gguf is not None:  # transformers dequantizes the GGUF itself
+        model = AutoModelForCausalLM.from_pretrained(str(target.gguf.parent), gguf_file=target.gguf.name,
+                                                     dtype=target.model.dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(target.path), dtype=target.model.dtype).eval()
     extra = {"prompt_lookup_num_tokens": prompt_lookup} if name == "hf-pld" else {}
     tokenizer = target.tokenizer
 
@@ -163,7 +170,7 @@ def hf_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str
 
 def llamacpp_runner(target: LoadedModel, gguf: Path | None, first_prompt: str, max_tokens: int, name: str,
                     prompt_lookup: int) -> TimedRunner:
-    """llama.cpp (llama-cpp-python) on the same GGUF file and the same prompt token ids, greedy, all cores;
+    """llama.cpp through llama-cpp-python (a Python loop per token) on the same GGUF file and the same prompt token ids, greedy, all cores;
     llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end with the stop token,
     as specserve's do."""
     try:
@@ -215,6 +222,11 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
         draft_len = base.speculative.draft_len
         if name in HF_METHODS:
             runners[name] = hf_runner(target, prompts[0], max_tokens, name, draft_len)
+        elif name == NATIVE_METHOD:
+            from specserve.bench.native_llamacpp import native_runner
+
+            runners[name] = native_runner(target, resolve_model_source(base.model.source).gguf, prompts[0],
+                                          max_tokens)
         elif name in LLAMACPP_METHODS:
             runners[name] = llamacpp_runner(target, resolve_model_source(base.model.source).gguf, prompts[0],
                                             max_tokens, name, draft_len)

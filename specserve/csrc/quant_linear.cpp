@@ -22,25 +22,7 @@
 //                  y is multiplied by it (exact: a power of two), so they equal fp32 scales' sums bit for bit.
 //                  Half the bytes of fp32 scales: a one-row step streams 10% (Q4_0) to 16% (Q4_K_M) fewer.
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-#include "fp_mode.h"
-#include <immintrin.h>
-
-#include <algorithm>
-#include <array>
-#include <atomic>
-#include <chrono>
-#include <utility>
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <optional>
-#include <string>
-#include <vector>
+#include "kernels.h"
 
 namespace {
 
@@ -235,13 +217,25 @@ constexpr int64_t kPrefetchBlocks = 4;
 constexpr int kPrefetchRowsL2 = 2;  // from this many rows on the AVX2 path
 constexpr int64_t kPrefetchBlocksL2 = 32;
 
+#if SPECSERVE_X86
+constexpr int kHintL1 = _MM_HINT_T0, kHintL2 = _MM_HINT_T1;
+#else
+constexpr int kHintL1 = 3, kHintL2 = 2;  // __builtin_prefetch's locality: into L1, into L2
+#endif
+
 template <int HINT>
 inline void prefetch_lines(const void* base, int64_t offset, int bytes) {
   const uintptr_t at = reinterpret_cast<uintptr_t>(base) + uintptr_t(offset);
-  for (int line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(at + line), _mm_hint(HINT));
+  for (int line = 0; line < bytes; line += 64) {
+#if SPECSERVE_X86
+    _mm_prefetch(reinterpret_cast<const char*>(at + line), _mm_hint(HINT));
+#else
+    __builtin_prefetch(reinterpret_cast<const char*>(at + line), 0, HINT);
+#endif
+  }
 }
 
-template <int BITS, int SUB, bool OFFS, int HINT = _MM_HINT_T0>
+template <int BITS, int SUB, bool OFFS, int HINT = kHintL1>
 inline void prefetch_block(const Packed& W, int64_t at) {
   constexpr int kCodeBytes = BITS == 8 ? 512 : 256, kPlaneBytes = BITS == 8 ? 0 : (BITS - 4) * 64;
   constexpr int kScaleBytes = SUB * kTile * int(sizeof(at::Half));
@@ -250,6 +244,8 @@ inline void prefetch_block(const Packed& W, int64_t at) {
   prefetch_lines<HINT>(W.scales, at * kScaleBytes, kScaleBytes);
   if constexpr (OFFS) prefetch_lines<HINT>(W.offsets, at * kScaleBytes, kScaleBytes);
 }
+
+#if SPECSERVE_X86  // the vector paths: x86 code
 
 // ---------------------------------------------------------------- AVX-512 VNNI path
 
@@ -298,7 +294,7 @@ SPECSERVE_AVX512 void tile_rows_avx512(const Packed& W, int64_t tile, const int3
     if constexpr (DECODED) {
       for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(decoded + kb * 8 + g);
     } else {
-      prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+      prefetch_block<BITS, SUB, OFFS, kHintL2>(W, at + kPrefetchBlocksL2);
       load_groups512<BITS>(W, at, w);
     }
     for (int sb = 0; sb < SUB; ++sb) {
@@ -358,7 +354,7 @@ SPECSERVE_AVX512 void decode_tile_avx512(const Packed& W, int64_t tile, __m256i*
   __m512i* decoded = reinterpret_cast<__m512i*>(buffer);
   for (int64_t kb = 0; kb < W.kblocks; ++kb) {
     const int64_t at = tile * W.kblocks + kb;
-    prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+    prefetch_block<BITS, SUB, OFFS, kHintL2>(W, at + kPrefetchBlocksL2);
     __m512i w[8];
     load_groups512<BITS>(W, at, w);
     for (int g = 0; g < 8; ++g) _mm512_storeu_si512(decoded + kb * 8 + g, w[g]);
@@ -489,7 +485,7 @@ SPECSERVE_AVX2 inline void half_block_avx2(const Packed& W, const Acts& X, int64
     for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(decoded + (h * W.kblocks + kb) * 8 + g);
   } else {
     if (h == 0) {  // the second half finds it in cache
-      if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, _MM_HINT_T1>(W, at + kPrefetchBlocksL2);
+      if constexpr (MR >= kPrefetchRowsL2) prefetch_block<BITS, SUB, OFFS, kHintL2>(W, at + kPrefetchBlocksL2);
       else prefetch_block<BITS, SUB, OFFS>(W, at + kPrefetchBlocks);
     }
     decode_half<BITS>(W, at, h, w, mag);
@@ -604,11 +600,16 @@ SPECSERVE_AVX2 void screen_bounds_avx2(const Packed& W, const Acts& X, int64_t t
   if (i < mr) screen_bounds_rows_avx2<1>(W, X, tile, m0 + i, a + i * kTile, fold, top + i);
 }
 
+#endif  // SPECSERVE_X86
+
 // ---------------------------------------------------------------- dispatch
 
 enum class Isa { scalar, avx2, avx512 };
 
 Isa detect() {
+#if !SPECSERVE_X86
+  return Isa::scalar;
+#else
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -617,6 +618,7 @@ Isa detect() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return Isa::avx2;
   return Isa::scalar;
+#endif
 }
 
 Isa parse_isa(const std::string& name) {
@@ -631,21 +633,25 @@ Isa parse_isa(const std::string& name) {
 
 using TileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*);
 
+#if SPECSERVE_X86
 template <int BITS, int SUB, bool OFFS, int... MR>
 constexpr std::array<TileFn, kMaxRows + 1> tiles_for(Isa isa, std::integer_sequence<int, MR...>) {
   if (isa == Isa::avx512) return {nullptr, tile_avx512<BITS, SUB, OFFS, MR + 1>...};
   return {nullptr, tile_avx2<BITS, SUB, OFFS, MR + 1>...};
 }
+#endif  // SPECSERVE_X86
 
 // The vector tile functions for a format, indexed by row count; empty for the scalar path.
 std::array<TileFn, kMaxRows + 1> tiles(Isa isa, const Packed& W) {
+  if (isa == Isa::scalar) return {};
+#if SPECSERVE_X86
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   const bool offs = W.offsets != nullptr;
-  if (isa == Isa::scalar) return {};
   if (W.bits == 8 && !offs) return tiles_for<8, 1, false>(isa, rows);
   if (W.bits == 4) return offs ? tiles_for<4, 1, true>(isa, rows) : tiles_for<4, 1, false>(isa, rows);
   if (W.bits == 5) return offs ? tiles_for<5, 1, true>(isa, rows) : tiles_for<5, 1, false>(isa, rows);
   if (W.bits == 6 && W.group == 16 && !offs) return tiles_for<6, 2, false>(isa, rows);
+#endif
   return {};  // a combination no GGUF type or quantizer makes: the scalar path still computes it
 }
 
@@ -653,31 +659,42 @@ struct alignas(64) CacheLine {  // a decoded tile's buffer holds 8 of them per b
   uint8_t bytes[64];
 };
 
-using DecodedTileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*, const __m256i*);
-using DecodeFn = void (*)(const Packed&, int64_t, __m256i*);
+#if SPECSERVE_X86
+using DecodedVector = __m256i;  // 32 bytes of a decoded tile
+#else
+struct alignas(32) DecodedVector {
+  uint8_t bytes[32];
+};
+#endif
+using DecodedTileFn = void (*)(const Packed&, const Acts&, int64_t, int64_t, float*, const DecodedVector*);
+using DecodeFn = void (*)(const Packed&, int64_t, DecodedVector*);
 
 struct DecodedTiles {  // a plane format's decode (AVX2 or AVX-512) and its tile functions by row count; empty: none
   DecodeFn decode = nullptr;
   std::array<DecodedTileFn, kMaxRows + 1> rows{};
 };
 
+#if SPECSERVE_X86
 template <int BITS, int SUB, bool OFFS, int... MR>
 DecodedTiles decoded_for(Isa isa, std::integer_sequence<int, MR...>) {
   if (isa == Isa::avx512)
     return {decode_tile_avx512<BITS, SUB, OFFS>, {nullptr, decoded_tile_avx512<BITS, SUB, OFFS, MR + 1>...}};
   return {decode_tile_avx2<BITS>, {nullptr, decoded_tile_avx2<BITS, SUB, OFFS, MR + 1>...}};
 }
+#endif  // SPECSERVE_X86
 
 // Only where a call's rows take more than one pass (and the format has planes) does decoding once pay. On the
 // AVX-512 path (kernel_ab.py linear --rows 9,16,64): Q6_K, two tails a block, 1.12x / 1.10x / 1.19x at 9 / 16 / 64
 // rows, Q5_0 1.00x / 1.02x / 1.10x; a 4-bit tile decodes about as fast as it reads a decoded one back (0.88x / 0.92x /
 // 0.99x).
 DecodedTiles decoded_tiles(Isa isa, const Packed& W, int64_t M) {
-  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   if (isa == Isa::scalar || M <= kMaxRows) return {};
+#if SPECSERVE_X86
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   const bool offs = W.offsets != nullptr;
   if (W.bits == 5) return offs ? decoded_for<5, 1, true>(isa, rows) : decoded_for<5, 1, false>(isa, rows);
   if (W.bits == 6 && W.group == 16 && !offs) return decoded_for<6, 2, false>(isa, rows);
+#endif
   return {};
 }
 
@@ -704,6 +721,7 @@ void quantize_block_scalar(const T* src, int8_t* p, float* dx, int32_t* psum16) 
   psum16[1] = sums[1];
 }
 
+#if SPECSERVE_X86
 SPECSERVE_AVX512 inline __m512 load16_avx512(const float* x) { return _mm512_loadu_ps(x); }
 SPECSERVE_AVX512 inline __m512 load16_avx512(const at::BFloat16* x) {  // bf16 -> fp32 is exact: 16 bits up
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -764,11 +782,12 @@ SPECSERVE_AVX2 void quantize_block_avx2(const T* src, int8_t* p, float* dx, int3
     psum16[h] = hsum8_epi32(_mm256_add_epi32(q0, q1));
   }
 }
+#endif  // SPECSERVE_X86
 
 // One tile's outputs for mr rows from m0 into out ([mr][16]): from the tile decoded once (`decoded`, where `once`
 // has a decode), else the vector tile for mr rows, else the scalar one.
 inline void run_tile(const std::array<TileFn, kMaxRows + 1>& fns, const DecodedTiles& once, const Packed& W,
-                     const Acts& X, int64_t tile, int64_t m0, int mr, float* out, const __m256i* decoded) {
+                     const Acts& X, int64_t tile, int64_t m0, int mr, float* out, const DecodedVector* decoded) {
   if (once.decode) once.rows[mr](W, X, tile, m0, out, decoded);
   else if (fns[mr]) fns[mr](W, X, tile, m0, out);
   else tile_scalar(W, X, tile, m0, mr, out);
@@ -793,6 +812,7 @@ void store_tile_scalar(const float* block, int mr, int count, const TileOut& to)
 }
 
 // 8 floats rounded to bf16 as at::BFloat16 rounds them (to nearest even; any NaN -> 0x7FC0), in int32 lanes.
+#if SPECSERVE_X86
 SPECSERVE_AVX2 inline __m256i bf16_bits_avx2(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -821,6 +841,7 @@ SPECSERVE_AVX2 void store_tile_avx2(const float* block, int mr, const TileOut& t
     }
   }
 }
+#endif  // SPECSERVE_X86
 
 template <typename T>
 void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* dx, int32_t* psum16) {
@@ -830,9 +851,12 @@ void quantize_rows(Isa isa, const T* x, int64_t M, int64_t K, int8_t* p, float* 
     for (int64_t m = begin; m < end; ++m)
       for (int64_t c = 0; c < K / kBlock; ++c) {
         const int64_t at = m * K + c * kBlock, block = m * (K / kBlock) + c;
+#if SPECSERVE_X86
         if (isa == Isa::avx512) quantize_block_avx512(x + at, p + at, dx + block, psum16 + 2 * block);
         else if (isa == Isa::avx2) quantize_block_avx2(x + at, p + at, dx + block, psum16 + 2 * block);
-        else quantize_block_scalar(x + at, p + at, dx + block, psum16 + 2 * block);
+        else
+#endif
+          quantize_block_scalar(x + at, p + at, dx + block, psum16 + 2 * block);
       }
   });
 }
@@ -1002,7 +1026,9 @@ void split_items(int64_t n, const F& f) {
 // y = x @ [W_0; W_1; ...].T + bias: several packed weights over the same input (fused q/k/v or gate/up whose
 // formats differ) in one call, x quantized once, their tiles shared out over the threads together; weight i's
 // outputs are columns [sum N_<i}, + N_i) of y.
-at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& qs,
+}  // namespace
+
+at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& qs,
                         const std::vector<std::optional<at::Tensor>>& planes, const std::vector<at::Tensor>& scales,
                         const std::vector<std::optional<at::Tensor>>& offsets, const std::optional<at::Tensor>& bias,
                         const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
@@ -1058,7 +1084,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
     float block[kMaxRows * kTile];
     // in cache lines: an AVX-512 access across two lines costs two (unaligned, the decoded Q6_K tile ran 0.77x)
     std::vector<CacheLine> decoded_lines(decoded_kblocks * 8);
-    __m256i* decoded = reinterpret_cast<__m256i*>(decoded_lines.data());
+    DecodedVector* decoded = reinterpret_cast<DecodedVector*>(decoded_lines.data());
     for (int64_t item; (item = next()) >= 0;) {
       const auto [i, tile] = work[item];
       const Packed& w = W[i];
@@ -1070,13 +1096,18 @@ at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& q
         const int64_t n0 = column[i] + tile * kTile, count = std::min<int64_t>(kTile, w.N - tile * kTile);
         const TileOut to{y32 ? y32 + m0 * width + n0 : nullptr, y16 ? y16 + m0 * width + n0 : nullptr, width,
                          b ? b + n0 : nullptr, w.unit};
+#if SPECSERVE_X86
         if (isa != Isa::scalar && count == kTile) store_tile_avx2(block, mr, to);
-        else store_tile_scalar(block, mr, int(count), to);
+        else
+#endif
+          store_tile_scalar(block, mr, int(count), to);
       }
     }
   });
   return y;
 }
+
+namespace {
 
 // ---------------------------------------------------------------- greedy screening of an 8-bit lm_head
 //
@@ -1120,9 +1151,11 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
                          const at::Tensor& qs, const at::Tensor& scales, int64_t N, double unit,
                          const std::string& isa_name) {
   const Isa isa = parse_isa(isa_name);
+#if SPECSERVE_X86
   // the bounds and the candidate test are AVX2 code, which every AVX-512 CPU runs; the products come from the
   // call's own path (VNNI on AVX-512), bit-identical to the other paths' as every tile's are
   const bool vector_bounds = isa != Isa::scalar;
+#endif
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   // both in the weight's unit, never multiplied out: the argmax of y / unit is y's (a power of two scales exactly)
@@ -1160,16 +1193,19 @@ at::Tensor screen_argmax(const at::Tensor& x_in, const at::Tensor& screen_qs, co
   split_items(W.tiles, [&](const auto& next) {
     const ScreenFold fold{slack, lower.data() + at::get_thread_num() * M, bad.data() + at::get_thread_num() * M};
     float block[kMaxRows * kTile];
-    std::vector<uint8_t> decoded_bytes(decoded_blocks * 2 * 8 * sizeof(__m256i));
-    __m256i* decoded = reinterpret_cast<__m256i*>(decoded_bytes.data());
+    std::vector<uint8_t> decoded_bytes(decoded_blocks * 2 * 8 * sizeof(DecodedVector));
+    DecodedVector* decoded = reinterpret_cast<DecodedVector*>(decoded_bytes.data());
     for (int64_t tile; (tile = next()) >= 0;) {
       if (screen_once.decode) screen_once.decode(S, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
         float* bounds = top.get() + tile * M + m0;
         run_tile(screen_fns, screen_once, S, X, tile, m0, mr, block, decoded);
+#if SPECSERVE_X86
         if (vector_bounds && count(tile) == kTile) screen_bounds_avx2(S, X, tile, m0, mr, block, fold, bounds);
-        else screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
+        else
+#endif
+          screen_bounds_scalar(S, X, tile, m0, mr, block, count(tile), fold, bounds);
       }
     }
   });
@@ -1255,6 +1291,7 @@ at::Tensor dequantize_rows(const at::Tensor& rows_in, const at::Tensor& qs, cons
 
 // XOR of every 64-byte line of a buffer with wide loads, split over the threads: a pure streaming read, the
 // ceiling a memory-bound kernel can reach on this machine (bench's roofline).
+#if SPECSERVE_X86
 SPECSERVE_AVX2 uint64_t xor_lines_avx2(const uint8_t* p, int64_t begin, int64_t end) {
   __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
   for (int64_t line = begin; line < end; ++line) {
@@ -1265,6 +1302,7 @@ SPECSERVE_AVX2 uint64_t xor_lines_avx2(const uint8_t* p, int64_t begin, int64_t 
   _mm256_store_si256((__m256i*)lanes, _mm256_xor_si256(a, b));
   return lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
 }
+#endif  // SPECSERVE_X86
 
 uint64_t xor_lines_scalar(const uint8_t* p, int64_t begin, int64_t end) {
   uint64_t acc = 0;
@@ -1280,10 +1318,15 @@ uint64_t xor_lines_scalar(const uint8_t* p, int64_t begin, int64_t end) {
 int64_t stream_read(const at::Tensor& buffer) {
   TORCH_CHECK(buffer.is_contiguous() && buffer.nbytes() % 64 == 0, "a contiguous buffer of whole cache lines");
   const uint8_t* bytes = static_cast<const uint8_t*>(buffer.data_ptr());
-  const bool wide = detect() != Isa::scalar;
   std::vector<uint64_t> partial(at::get_num_threads() + 1, 0);
+#if SPECSERVE_X86
+  const bool wide = detect() != Isa::scalar;
+  const auto lines = wide ? xor_lines_avx2 : xor_lines_scalar;
+#else
+  const auto lines = xor_lines_scalar;
+#endif
   specserve::parallel_for(0, int64_t(buffer.nbytes() / 64), 4096, [&](int64_t begin, int64_t end) {
-    partial[at::get_thread_num()] ^= wide ? xor_lines_avx2(bytes, begin, end) : xor_lines_scalar(bytes, begin, end);
+    partial[at::get_thread_num()] ^= lines(bytes, begin, end);
   });
   uint64_t total = 0;
   for (uint64_t x : partial) total ^= x;
@@ -1297,6 +1340,7 @@ int64_t stream_read(const at::Tensor& buffer) {
 // with 12 on AVX2 (16 registers) GCC kept some on the stack, and the loop's stores read ~2/3 of the peak.
 constexpr int kPeakChains512 = 12, kPeakChains256 = 8;
 
+#if SPECSERVE_X86
 SPECSERVE_AVX512 int64_t peak_chains_avx512(int64_t rounds) {
   __m512i acc[kPeakChains512];
   for (int c = 0; c < kPeakChains512; ++c) acc[c] = _mm512_set1_epi32(c);
@@ -1318,8 +1362,13 @@ SPECSERVE_AVX2 int64_t peak_chains_avx2(int64_t rounds) {
   for (int c = 0; c < kPeakChains256; ++c) out += _mm256_extract_epi16(acc[c], 0);
   return out;
 }
+#endif  // SPECSERVE_X86
 
 double int8_peak_macs(double seconds) {
+#if !SPECSERVE_X86
+  (void)seconds;
+  return 0.0;  // no vector path
+#else
   const Isa isa = detect();
   if (isa == Isa::scalar) return 0.0;
   const int64_t per_instruction = isa == Isa::avx512 ? 64 : 32;
@@ -1341,6 +1390,7 @@ double int8_peak_macs(double seconds) {
        std::chrono::steady_clock::now() < until;)
     best = std::max(best, run());
   return best;
+#endif
 }
 
 std::string best_isa() {
@@ -1353,17 +1403,10 @@ std::string best_isa() {
 
 }  // namespace
 
-// The C++ entry of quant_linear for another extension (cpu_kernels.cpp's layer stack, which calls it once per
-// linear without going through Python): a function pointer in a capsule whose name states its signature, so the
-// caller can refuse a pointer of another one. Both extensions run against the same torch in the same process.
-using QuantLinearFn = decltype(&quant_linear);
-constexpr const char* kQuantLinearCapsule = "specserve.quant_linear.v2";
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quant_linear", &quant_linear, "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant",
+void specserve::bind_quant(py::module_ m) {
+  m.def("quant_linear", &specserve::quant_linear,
+        "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant",
         py::call_guard<py::gil_scoped_release>());
-  m.attr("quant_linear_capsule") =
-      py::capsule(reinterpret_cast<void*>(static_cast<QuantLinearFn>(&quant_linear)), kQuantLinearCapsule);
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
   m.def("screen_argmax", &screen_argmax, "each row's argmax of x @ W.T for an 8-bit W, through its 5-bit screen",
         py::call_guard<py::gil_scoped_release>());

@@ -42,9 +42,11 @@ class ChatTemplateError(ValueError):
 
 def gguf_chat_template(gguf_path: Path) -> str | None:
     """The GGUF's `tokenizer.chat_template` field, if it has one."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    from specserve.models import gguf_file
+
+    field = gguf_file.read(gguf_path).fields.get("tokenizer.chat_template")
     if field is None or field.types[:1] != [GGUFValueType.STRING]:
         return None
     return bytes(field.parts[field.data[0]]).decode("utf-8")

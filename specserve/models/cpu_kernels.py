@@ -1,185 +1,116 @@
-"""Row-invariant bf16 CPU kernels (linear and masked attention), compiled on first use.
+"""Row-invariant CPU kernels: the compiled extension specserve._C, built at install, one variant chosen per CPU.
 
 Speculative decoding is only lossless if a token's logits don't depend on how many tokens share the forward
 (T=1 decoding vs T=K+1 verification) or on the KV length; PyTorch's CPU bf16 linear and SDPA don't promise
-that. The kernels in `specserve/csrc/cpu_kernels.cpp` compute every output element with one fixed sequence of
-fp32 operations, on AVX-512, on AVX2 + FMA (the same arithmetic in 8-lane halves) or in scalar code.
-`available()` never raises: when the build fails or SPECSERVE_NO_KERNELS=1 is set, it returns False and
-`unavailable_reason` says why.
+that. The kernels in `specserve/csrc` compute every output element with one fixed sequence of fp32 operations.
+The bf16 layer kernels (cpu_kernels.inc) are compiled once per instruction-set variant, side by side in one
+extension: `scalar`, `avx2` (AVX2 + FMA), `avx512` (AVX-512 VNNI + BF16) and `amx`; the fastest this CPU runs is
+used unless SPECSERVE_KERNELS (or `specserve --kernels`) names another. The packed low-bit linear (quant_linear.cpp,
+submodule `quant`) chooses its own path per call (quant.isa()).
 
-`f32_linear` (`specserve/csrc/f32_linear.cpp`, AVX2 + FMA) is the same idea for the linears of fp32 models (an
-explicit `dtype: float32`): row-invariant, and it reads each weight once for all rows of a step.
+The kernels are required: when they cannot load, `available()` raises KernelsUnavailable naming the cause. Only
+SPECSERVE_KERNELS=off turns them off (PyTorch's own ops: slower, and not row-invariant, so speculation is then no
+longer exactly lossless).
+
+`f32_linear` (f32_linear.inc, AVX2 + FMA variants) is the same idea for the linears of fp32 models (an explicit
+`dtype: float32`): row-invariant, and it reads each weight once for all rows of a step.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
+import importlib
 import os
-import sys
 import threading
-from pathlib import Path
 
 import torch
 
-NAME = "specserve_cpu_kernels"
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_kernels.cpp"
-F32_NAME = "specserve_f32_linear"
-F32_SOURCE = SOURCE.with_name("f32_linear.cpp")
+MODES = ("auto", "off", "scalar", "avx2", "avx512", "amx")
+ENV = "SPECSERVE_KERNELS"
 
-unavailable_reason: str | None = None
-_ext = None
-_tried = False
+
+class KernelsUnavailable(RuntimeError):
+    """The compiled kernels cannot load or cannot run the requested variant: a message that names the cause."""
+
+
 _lock = threading.Lock()
+_loaded: dict[str, object] = {}  # mode -> the variant submodule (or None for off)
 
 
-def _cpu_flags() -> set[str]:
+def mode() -> str:
+    """SPECSERVE_KERNELS: auto (the fastest variant this CPU runs), off, or a variant's name."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise KernelsUnavailable(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
+    return value
+
+
+def extension():
+    """specserve._C, or KernelsUnavailable saying why it cannot be imported (not built, built for another torch)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        return importlib.import_module("specserve._C")
+    except ImportError as exc:
+        raise KernelsUnavailable(
+            f"specserve's compiled kernels (specserve._C) cannot be loaded: {exc}. They are built by "
+            "`pip install` from the repository (a C++ compiler and torch==2.13.0); reinstall, or run with "
+            f"{ENV}=off (`specserve --kernels off`: slower, and speculation no longer exactly lossless)") from exc
 
 
-def _build_root() -> Path:
-    """torch's extension folder (TORCH_EXTENSIONS_DIR when set, as torch's own loader does)."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-
-
-def _compile(name: str, source: Path, flags: list[str]):
-    from torch.utils.cpp_extension import load
-
-    # The .so is tied to the Python and torch it was built against, and to its source: a folder per source
-    # version, so two checkouts (or an upgrade) never rebuild over each other's kernels.
-    abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.replace('+', '_')}"
-    # and to the environment: its torch headers' paths are in the build command, and a changed command rebuilds
-    headers = sorted(source.parent.glob("*.h"))  # fp_mode.h
-    digest = hashlib.sha256(source.read_bytes() + b"".join(h.read_bytes() for h in headers)
-                            + " ".join([*flags, sys.prefix]).encode()).hexdigest()[:12]
-    build_dir = _build_root() / abi / f"{name}-{digest}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    built = build_dir / f"{name}.so"
-    # torch's own build lock is a plain file that a killed build leaves behind, after which every later load
-    # waits on it forever. An flock dies with its process: hold one while building and clear a stale torch lock.
-    with open(build_dir / "specserve.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
-        (build_dir / "lock").unlink(missing_ok=True)
-        if not built.exists():
-            print(f"specserve: compiling {name} (once) ...", file=sys.stderr, flush=True)
-        _use_packaged_ninja()
-        return load(name=name, sources=[str(_source_copy(build_dir, source, headers))],
-                    build_directory=str(build_dir), extra_cflags=["-O3", *flags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-
-
-def _use_packaged_ninja() -> None:
-    """Put the `ninja` package's binary first on PATH for torch's build: a system ninja of another version found
-    first by one process (a venv's python run without activating it) reads the other's build log as a changed
-    command and rebuilds, so processes alternating between the two rebuild the kernels every time."""
-    import ninja
-
-    if not os.environ.get("PATH", "").startswith(ninja.BIN_DIR + os.pathsep):
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _source_copy(build_dir: Path, source: Path, headers: list[Path]) -> Path:
-    """The source (and headers) copied into the build folder: ninja rebuilds when a source's path changes, so two
-    checkouts of the same source sharing one folder would otherwise rebuild the .so over each other forever."""
-    copies = build_dir / "src"
-    copies.mkdir(exist_ok=True)
-    for path in [source, *headers]:
-        target = copies / path.name
-        if not target.exists() or target.read_bytes() != path.read_bytes():
-            target.write_bytes(path.read_bytes())
-    return copies / source.name
-
-
-QUANT_NAME = "specserve_quant_linear"
-QUANT_SOURCE = SOURCE.with_name("quant_linear.cpp")
-
-
-def load_quant():
-    """The low-bit linear kernel (`quant_linear.cpp`). It picks AVX-512 VNNI, AVX2 or scalar code at run time, so
-    it is built for the baseline ISA and needs only a C++ compiler; raises QuantizationError when it can't build."""
-    from specserve.models.quant import QuantizationError
-
-    try:
-        # no -march=native: each path carries its own target attribute; no FP contraction, so the scalar path
-        # rounds exactly as the vector ones
-        return _compile(QUANT_NAME, QUANT_SOURCE, ["-ffp-contract=off"])
-    except Exception as exc:
-        raise QuantizationError(f"the quantized-weight kernel could not be built ({exc}); "
-                                "use quantization: none") from exc
-
-
-def _build():
-    return _compile(NAME, SOURCE, ["-march=native"])
+def choose_variant(ext, wanted: str) -> str:
+    """The variant for mode `wanted`: the fastest this CPU runs for auto, else the named one if the CPU runs it."""
+    runnable = [name for name in ext.VARIANTS if ext.cpu_runs(name)]
+    if wanted == "auto":
+        return runnable[-1]
+    if wanted not in ext.VARIANTS:
+        raise KernelsUnavailable(f"the {wanted} kernels are not compiled into this build (it has "
+                                 f"{', '.join(ext.VARIANTS)})")
+    if wanted not in runnable:
+        raise KernelsUnavailable(f"this CPU cannot run the {wanted} kernels (it runs {', '.join(runnable)})")
+    return wanted
 
 
 def _load():
-    """The compiled extension, or None with `unavailable_reason` set; builds at most once per process."""
-    global _ext, _tried, unavailable_reason
+    """The chosen variant's submodule of specserve._C, or None when the kernels are off; raises when it can't."""
+    wanted = mode()
+    if wanted in _loaded:  # asked on every kernel call: no lock once decided
+        return _loaded[wanted]
     with _lock:
-        if not _tried:
-            _tried = True
-            _ext, unavailable_reason = _try_build(_build, ())
-        return _ext
+        if wanted not in _loaded:
+            ext = None if wanted == "off" else extension()
+            _loaded[wanted] = None if ext is None else getattr(ext, choose_variant(ext, wanted))
+        return _loaded[wanted]
 
 
-def _try_build(build, cpu_flags: tuple[str, ...]):
-    """(extension, None) or (None, why not); never raises: a missing compiler or CPU feature means fall back."""
-    if os.environ.get("SPECSERVE_NO_KERNELS") == "1":
-        return None, "disabled by SPECSERVE_NO_KERNELS=1"
-    missing = [flag for flag in cpu_flags if flag not in _cpu_flags()]
-    if missing:
-        return None, f"{', '.join(missing)} not listed in /proc/cpuinfo"
-    try:
-        return build(), None
-    except Exception as exc:  # a missing compiler, a failed build: fall back, never crash the server
-        return None, f"building the CPU kernels failed: {exc}"
+def quant_module():
+    """specserve._C.quant, the packed low-bit linear; raises KernelsUnavailable when it cannot load."""
+    return extension().quant
 
 
-_f32 = None
-_f32_tried = False
-f32_unavailable_reason: str | None = None
+def available() -> bool:
+    """True when the kernels run, False when the user turned them off; raises KernelsUnavailable otherwise."""
+    return _load() is not None
 
 
 def _load_f32():
-    global _f32, _f32_tried, f32_unavailable_reason
-    if _f32_tried:  # asked on every linear of a forward: no lock once decided
-        return _f32
-    with _lock:
-        if not _f32_tried:
-            _f32, f32_unavailable_reason = _try_build(
-                lambda: _compile(F32_NAME, F32_SOURCE, ["-mavx2", "-mfma"]), ("avx2", "fma"))
-            _f32_tried = True
-        return _f32
+    ext = _load()
+    return getattr(ext, "f32_linear", None) if ext is not None else None
 
 
 def f32_linear_available() -> bool:
+    """Whether the fp32 linear runs here (the AVX2 and later variants; not the scalar one, nor with kernels off)."""
     return _load_f32() is not None
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias for fp32 x [..., K] and weight [N, K] (AVX2 + FMA); row m depends only on x[m]."""
-    ext = _load_f32()
-    if ext is None:
-        raise RuntimeError(f"specserve fp32 kernel unavailable: {f32_unavailable_reason}")
-    y = ext.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    linear = _load_f32()
+    if linear is None:
+        raise KernelsUnavailable(f"the fp32 linear runs in the avx2 and later variants, not with {ENV}={mode()}")
+    y = linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def available() -> bool:
-    return _load() is not None
-
-
 def variant() -> str | None:
-    """Which instructions each kernel runs on (they fix its arithmetic), e.g. for logs; None if unavailable."""
+    """Which instructions each kernel runs on (they fix its arithmetic), e.g. for logs; None when turned off."""
     ext = _load()
     return None if ext is None else ext.variant()
 
@@ -187,7 +118,7 @@ def variant() -> str | None:
 def _require():
     ext = _load()
     if ext is None:
-        raise RuntimeError(f"specserve CPU kernels unavailable: {unavailable_reason}")
+        raise KernelsUnavailable(f"the CPU kernels are turned off ({ENV}=off)")
     return ext
 
 
@@ -258,9 +189,9 @@ def stack_layer(**fields):
     return _require().StackLayer(**fields)
 
 
-def layer_stack(layers: list, quant_linear_capsule=None):
-    """The layers as one C++ call per forward; packed linears need quant.quant_linear_capsule()."""
-    return _require().LayerStack(layers, quant_linear_capsule)
+def layer_stack(layers: list):
+    """The layers as one C++ call per forward (packed linears call quant_linear directly)."""
+    return _require().LayerStack(layers)
 
 
 def attention_masks(lengths: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -272,8 +203,8 @@ def attention_masks(lengths: torch.Tensor, positions: torch.Tensor, slots: torch
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1) for fp32 logits (the first maximum, or the first NaN), in one vectorized pass:
-    PyTorch's reduction costs ~3% of a decoding step over a 262k vocabulary. PyTorch's own where the kernels are
-    unavailable."""
+    PyTorch's reduction costs ~3% of a decoding step over a 262k vocabulary. PyTorch's own when the kernels are
+    off."""
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.numel() == 0 or not available():
         return logits.argmax(-1)
     return _require().argmax(logits)

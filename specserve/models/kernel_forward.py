@@ -8,7 +8,7 @@ final one). Each kernel rounds as the PyTorch ops it replaces, so the layer comp
 transformer.py computes on the same kernels for the linears and attention.
 
 What the calls need is gathered once per model (`KernelPlan`): nn.Module attribute lookups and per-call checks
-cost more than the glue kernels themselves. Two loops run the plan: by default cpu_kernels.cpp's `LayerStack` runs
+cost more than the glue kernels themselves. Two loops run the plan: by default cpu_kernels.inc's `LayerStack` runs
 every layer in one C++ call (the Python between ~160 kernel calls cost ~2.3 ms of a 17 ms step of the 270M default
 model); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
 the tests hold the C++ loop to, bit for bit.
@@ -151,8 +151,7 @@ class KernelPlan:
         if self._stack is None:
             kinds = {layer_type: kind for kind, layer_type in enumerate(self.layer_types)}
             layers = [layer.stack_layer(kinds[layer.layer_type]) for layer in self.layers]
-            packed = any(layer.uses_packed for layer in layers)
-            self._stack = cpu_kernels.layer_stack(layers, quant.quant_linear_capsule() if packed else None)
+            self._stack = cpu_kernels.layer_stack(layers)
         return self._stack
 
     def run(self, x, normed, rope, masks, cache, slots, output_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -1,10 +1,11 @@
 """Finding and loading models: the embedded default, HF checkpoint directories and GGUF files.
 
-A GGUF file is converted once (transformers' GGUF reader) into an HF checkpoint directory under the cache
-(`~/.cache/specserve`, or $SPECSERVE_CACHE) for its config, tokenizer and small tensors. By default its linear
-layers and embedding then run in the GGUF's own quantized blocks (`quantization: gguf`, see models/quant.py),
-read from the GGUF itself and never widened; `quantization: none` runs the dequantized weights instead, and
-`int8` / `int4` quantize any checkpoint's linears at load.
+A GGUF file runs from the file itself. Its config, tokenizer and the few tensors that do not run packed (norms,
+biases) are read once into a small directory under the cache (`~/.cache/specserve`, or $SPECSERVE_CACHE), and its
+quantized linears and embedding are repacked into the kernel's layout once and cached beside them
+(`quantization: gguf`, the default; models/quant.py): the cache holds about the file's size, and nothing is ever
+widened to fp32 on disk. `quantization: none` (or int8 / int4) dequantizes the GGUF in memory at load instead;
+`specserve convert` writes a full HF checkpoint directory when one is wanted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from specserve.files import write_text_atomically
-from specserve.models import cpu_kernels, llama2c, quant
+from specserve.models import cpu_kernels, gguf_file, llama2c, quant
 from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
@@ -52,6 +53,11 @@ class LoadedModel:
     max_model_len: int
     chat_stop: tuple[str, ...] = ()  # stop strings of its chat format (models/chat_template.py)
     embedded_default: bool = False  # the packaged default model: the heads shipped for it apply (specserve/heads)
+    gguf: Path | None = None  # the GGUF file it runs from (`path` then holds its config, tokenizer and norms only)
+
+    def dense_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight as dense values (a GGUF's dequantized in memory), e.g. to start a draft model from."""
+        return dense_weights(self.path, self.gguf)
 
 
 def cache_root() -> Path:
@@ -109,10 +115,14 @@ def embedded_default_gguf() -> Path:
     return package.assemble()
 
 
+CONVERTED_LAYOUT = 2  # what a converted directory holds; a new value converts every file again
+
+
 def converted_dir(kind: str, source: Path) -> Path:
-    """Where the HF directory converted from `source` is cached (keyed by its path, size and mtime)."""
+    """Where the HF directory converted from `source` is cached (keyed by its path, size, mtime and layout)."""
     stat = source.stat()
-    digest = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTED_LAYOUT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_root() / kind / f"{source.stem}-{digest}"
 
 
@@ -130,38 +140,94 @@ def llama2c_to_hf_dir(path: Path) -> Path:
         raise ModelLoadError(f"cannot convert llama2.c checkpoint {path}: {exc}") from exc
 
 
-PACKED_ONLY = "specserve-packed-only"  # marks a converted directory that holds no dense linears or embedding
-DENSE_RAM_SHARE = 0.4  # a GGUF whose fp32 weights would take more of the RAM is converted packed-only
+DENSE_RAM_SHARE = 0.4  # a GGUF whose fp32 weights would take more of the RAM runs on its own blocks only
 
 
 def gguf_to_hf_dir(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file into a cached HF checkpoint directory (config, tokenizer, safetensors). A Llama-like
-    GGUF too large to dequantize in memory (an 8B model: ~32 GB of fp32 on the way) keeps only its small dense
-    tensors (norms, biases): its linears and embedding then run packed, from the GGUF itself."""
+    """A GGUF file's config, tokenizer and unpacked tensors (norms, biases, linears stored in F16/F32) in a cached
+    HF-style directory. The quantized linears and embedding are not in it: they run packed from the GGUF
+    (gguf_packed_weights), or are dequantized in memory when asked (dense_weights)."""
     out = converted_dir("gguf", gguf_path)
     if (out / "model.safetensors").exists():
         return out
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    packed_only = too_large_to_dequantize(gguf_path)
-    what = "its norms and biases only" if packed_only else "dequantizing"
-    print(f"specserve: converting {gguf_path.name} once ({what} to {out}) ...", file=sys.stderr, flush=True)
+    print(f"specserve: reading {gguf_path.name}'s config, tokenizer and norms once (into {out}) ...",
+          file=sys.stderr, flush=True)
     try:
-        config = gguf_config(gguf_path)
-        tensors = small_dense_tensors(gguf_path, config) if packed_only else dequantized_gguf(gguf_path, config)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with gguf_file.shared_readers():
+            config = gguf_config(gguf_path)
+            tensors = unpacked_gguf_tensors(gguf_path, config)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
     staging = out.with_name(out.name + ".partial")
     staging.mkdir(parents=True, exist_ok=True)
-    if packed_only:
-        (staging / PACKED_ONLY).write_text("the linears and embedding run packed from the GGUF\n")
     config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
+    staging.rename(out)
+    return out
+
+
+def unpacked_gguf_tensors(gguf_path: Path, config) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors that do not run packed (norms, biases, linears stored in F16/F32), by HF name, named and
+    converted as transformers' GGUF loader does (its weights map and its family's tensor processor: Gemma's norm
+    offset, Llama's q/k row order); the packed ones are never dequantized."""
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    parsed = {"config": load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"], "tensors": {}}
+    reader = gguf_file.read(gguf_path)
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    with torch.device("meta"):
+        names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config), processor)
+    out = {}
+    for tensor in reader.tensors:
+        if _packable(tensor):
+            continue
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=names, parsed_parameters=parsed)
+        if result.name in names:
+            out[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+    return _strip_prefixes(out)
+
+
+def _packable(tensor) -> bool:
+    """Whether _pack_gguf packs this GGUF tensor: a quantized linear, embedding or lm_head."""
+    return gguf_hf_name(tensor.name) is not None and tensor.tensor_type.name not in _GGUF_DENSE_TYPES
+
+
+def dense_weights(directory: Path, gguf: Path | None) -> dict[str, torch.Tensor]:
+    """Every tensor of a model as dense values: the checkpoint directory's, or a GGUF's dequantized in memory."""
+    if gguf is None:
+        return _read_state_dict(directory)
+    if too_large_to_dequantize(gguf):
+        raise ModelLoadError(f"{gguf.name} is too large to dequantize in this machine's memory (its fp32 weights "
+                             f"would take over {DENSE_RAM_SHARE:.0%} of it): it runs on its GGUF blocks only "
+                             "(quantization: gguf)")
+    return _strip_prefixes(dequantized_gguf(gguf, load_hf_config(directory)))
+
+
+def export_hf_checkpoint(name: str, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A model (a GGUF file, usually) as a full HF checkpoint directory: config, tokenizer, dense safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    with gguf_file.shared_readers():
+        source = resolve_model_source(name)
+        tensors = dense_weights(source.directory, source.gguf)
+    staging = out.with_name(out.name + ".partial")
+    staging.mkdir(parents=True, exist_ok=True)
+    load_hf_config(source.directory).save_pretrained(staging)
+    AutoTokenizer.from_pretrained(str(source.directory)).save_pretrained(staging)
+    save_file({key: t.to(dtype).contiguous() for key, t in tensors.items()}, str(staging / "model.safetensors"))
     staging.rename(out)
     return out
 
@@ -186,59 +252,19 @@ def dequantized_gguf(gguf_path: Path, config) -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
 
 
-_GGUF_SMALL = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-_GGUF_BIASES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj"}
-
-
 def too_large_to_dequantize(gguf_path: Path) -> bool:
     """Whether the GGUF's weights as fp32 (what transformers' reader makes of them) would not fit in
-    DENSE_RAM_SHARE of this machine's memory; only Llama-like files (whose tensors `small_dense_tensors` names)
-    are converted without them."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    elements = sum(int(t.n_elements) for t in reader.tensors)
-    return arch in ("llama", "qwen2", "mistral") and elements * 4 > DENSE_RAM_SHARE * total_memory_bytes()
+    DENSE_RAM_SHARE of this machine's memory: such a file runs on its own blocks only."""
+    elements = sum(int(t.n_elements) for t in gguf_file.read(gguf_path).tensors)
+    return elements * 4 > DENSE_RAM_SHARE * total_memory_bytes()
 
 
 def total_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def small_dense_tensors(gguf_path: Path, config) -> dict[str, torch.Tensor]:
-    """A Llama-like GGUF's tensors that do not run packed, under their HF names: norms, q/k/v biases, and any
-    linear stored dense (F16/F32/BF16: the packer takes quantized blocks only)."""
-    from gguf import GGUFReader
-
-    out = {}
-    for tensor in GGUFReader(str(gguf_path)).tensors:
-        dense, linear = tensor.tensor_type.name in _GGUF_DENSE_TYPES, gguf_hf_name(tensor.name)
-        if not dense:
-            continue  # packed, read from the GGUF at load
-        values = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor.name)
-        part = match[2] if match else None
-        if linear is not None:
-            name = linear
-        elif tensor.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif match and match[3] == "weight" and part in _GGUF_SMALL:
-            name = f"model.layers.{match[1]}.{_GGUF_SMALL[part]}.weight"
-        elif match and match[3] == "bias" and part in _GGUF_BIASES:
-            name = f"model.layers.{match[1]}.self_attn.{_GGUF_BIASES[part]}.bias"
-        else:
-            continue  # e.g. rope_freqs: the config carries the rope scaling
-        if config.model_type == "llama" and part in ("attn_q", "attn_k"):  # llama.cpp's rope row order
-            heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
-            values = values[torch.from_numpy(_llama_row_order(values.shape[0], heads))]
-        out[name] = values
-    return out
-
-
-def _read_state_dict(directory: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, except the names in `skip` (never read: those come packed from elsewhere)."""
+def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint directory's tensors."""
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -246,7 +272,7 @@ def _read_state_dict(directory: Path, skip: set[str] = frozenset()) -> dict[str,
         state: dict[str, torch.Tensor] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as reader:
-                state.update({name: reader.get_tensor(name) for name in reader.keys() if name not in skip})
+                state.update({name: reader.get_tensor(name) for name in reader.keys()})
         return state
     bins = sorted(directory.glob("pytorch_model*.bin"))
     if bins:
@@ -385,13 +411,11 @@ def gguf_packed_weights(gguf_path: Path, hf_config, cache_dir: Path) -> dict[str
 
 
 def _pack_gguf(gguf_path: Path, hf_config) -> dict[str, PackedWeight]:
-    from gguf import GGUFReader
-
     packed = {}
-    for tensor in GGUFReader(str(gguf_path)).tensors:
-        kind, hf_name = tensor.tensor_type.name, gguf_hf_name(tensor.name)
-        if hf_name is None or kind in _GGUF_DENSE_TYPES:
+    for tensor in gguf_file.read(gguf_path).tensors:
+        if not _packable(tensor):
             continue
+        kind, hf_name = tensor.tensor_type.name, gguf_hf_name(tensor.name)
         in_features, out_features = (int(d) for d in tensor.shape[:2])
         raw = tensor.data
         if hf_config.model_type == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
@@ -451,23 +475,31 @@ def resolve_model_path(name: str | None) -> tuple[str, Path]:
 
 def resolve_quantization(quantization: str | None, source: ModelSource, device: str) -> str:
     """none | gguf | int8 | int4; unset means the GGUF's own blocks for a GGUF file and none otherwise."""
-    choice = quantization or ("gguf" if source.gguf is not None else "none")
+    kernels_on = cpu_kernels.mode() != "off"
+    choice = quantization or ("gguf" if source.gguf is not None and kernels_on else "none")
     if choice not in quant.QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {choice!r}; use none, gguf (a GGUF's own blocks), int8 or int4")
+    if choice != "none" and not kernels_on:
+        raise ModelLoadError(f"quantization {choice} runs on specserve's CPU kernels, which --kernels off "
+                             f"({cpu_kernels.ENV}=off) turns off; use quantization: none")
     if choice == "gguf" and source.gguf is None:
         raise ModelLoadError(f"quantization gguf needs a GGUF model, and {source.name} is not one; "
                              "use none, int8 or int4")
     if choice != "none" and not device.startswith("cpu"):
         raise ModelLoadError(f"quantized weights ({choice}) run on the CPU only; use quantization: none on {device}")
-    if choice != "gguf" and (source.directory / PACKED_ONLY).exists():
-        raise ModelLoadError(f"{source.name} is too large to dequantize in this machine's memory (its fp32 weights "
-                             f"would take over {DENSE_RAM_SHARE:.0%} of it): it runs on its GGUF blocks only "
-                             f"(quantization: gguf), not {choice}")
     return choice
 
 
 def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
                device: str = "cpu", quantization: str | None = None) -> LoadedModel:
+    """A model by name (the embedded default), checkpoint directory, GGUF file or llama2.c checkpoint; a GGUF's
+    header is read at most once however many steps of the load need it."""
+    with gguf_file.shared_readers():
+        return _load_model(name, dtype, device, quantization)
+
+
+def _load_model(name: str | None, dtype: str | torch.dtype | None, device: str,
+                quantization: str | None) -> LoadedModel:
     from transformers import AutoTokenizer
 
     source = resolve_model_source(name)
@@ -475,13 +507,14 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
     hf_config = load_hf_config(source.directory)
     try:
-        packed = gguf_packed_weights(source.gguf, hf_config, source.directory) if quantization == "gguf" else {}
-        if packed and hf_config.tie_word_embeddings:
-            packed.pop("lm_head.weight", None)
-        skip = set(packed) | ({"lm_head.weight"} if "model.embed_tokens.weight" in packed
-                              and hf_config.tie_word_embeddings else set())
-        model = build_model(hf_config, _read_state_dict(source.directory, skip), torch_dtype, device, packed,
-                            quantization)
+        if quantization == "gguf":
+            packed = gguf_packed_weights(source.gguf, hf_config, source.directory)
+            if hf_config.tie_word_embeddings:
+                packed.pop("lm_head.weight", None)
+            state = _read_state_dict(source.directory)
+        else:
+            packed, state = {}, dense_weights(source.directory, source.gguf)
+        model = build_model(hf_config, state, torch_dtype, device, packed, quantization)
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
     try:
@@ -495,4 +528,4 @@ def load_model(name: str | None = None, dtype: str | torch.dtype | None = None,
         eos_ids |= end_of_turn_ids(tokenizer)
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
     return LoadedModel(source.name, source.directory, model, tokenizer, eos_ids, max_len, chat.stop,
-                       source.embedded_default)
+                       source.embedded_default, source.gguf)

@@ -417,19 +417,12 @@ def isa() -> str:
     return os.environ.get("SPECSERVE_QUANT_ISA", "auto")
 
 
-_ext = None
-
-
 def _kernel():
-    global _ext
-    if _ext is None:
-        _ext = cpu_kernels.load_quant()
-    return _ext
-
-
-def quant_linear_capsule():
-    """The kernel's quant_linear as a C++ function pointer (a capsule), for cpu_kernels' LayerStack."""
-    return _kernel().quant_linear_capsule
+    """specserve._C.quant; QuantizationError naming the cause when the kernels cannot load."""
+    try:
+        return cpu_kernels.quant_module()
+    except cpu_kernels.KernelsUnavailable as exc:
+        raise QuantizationError(f"{exc}; or use quantization: none") from exc
 
 
 def best_isa() -> str:

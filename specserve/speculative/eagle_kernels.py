@@ -130,8 +130,7 @@ class KernelHead:
             final_norms.append(torch.ones(self.hidden))
         layers = [self._stack_layer(layer, i, norm, quantization) for i, (layer, norm)
                   in enumerate(zip(head.decoder_layers, final_norms))]
-        packs = any(layer.uses_packed for layer in layers)
-        self.stack = cpu_kernels.layer_stack(layers, quant.quant_linear_capsule() if packs else None)
+        self.stack = cpu_kernels.layer_stack(layers)
         self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=torch.bfloat16)
 
     def _stack_layer(self, layer, index: int, next_norm: torch.Tensor, quantization: str):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.models import gguf_file
 from specserve.models.loader import LoadedModel, build_model, dequantized_gguf, gguf_config
 from specserve.speculative.eagle import default_aux_layer_ids
 from specserve.train.distill import load_token_data, training_record
@@ -118,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     deadline = time.perf_counter() + 60 * args.minutes
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = gguf_config(args.gguf)
-    tensors = dequantized_gguf(args.gguf, config)
+    with gguf_file.shared_readers():
+        config = gguf_config(args.gguf)
+        tensors = dequantized_gguf(args.gguf, config)
     dense = build_model(config, tensors, torch.float32)  # the embedding and lm_head the trainers read
     target = LoadedModel(args.gguf.stem, args.gguf, dense, None, set(), 4096)
     aux = default_aux_layer_ids(dense.spec.num_layers)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specserve.models.loader import LoadedModel
@@ -27,15 +26,6 @@ def kept_layers(num_layers: int, keep: int) -> list[int]:
     return sorted({round(i * (num_layers - 1) / (keep - 1)) for i in range(keep)})
 
 
-def target_state(directory: Path) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    if not state:
-        raise FileNotFoundError(f"{directory} has no safetensors weights to start a draft model from")
-    return state
-
-
 def new_draft_model(target: LoadedModel, num_layers: int):
     """The target's family with `num_layers` of its layers (evenly spaced), in float32, embeddings frozen."""
     config = AutoConfig.from_pretrained(target.path)
@@ -46,7 +36,7 @@ def new_draft_model(target: LoadedModel, num_layers: int):
     text.num_hidden_layers = len(layers)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {}
-    for name, value in target_state(Path(target.path)).items():
+    for name, value in target.dense_weights().items():
         parts = name.split(".")
         if "layers" in parts:
             at = parts.index("layers") + 1

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from specserve.engine.engine import PREFILL_CHUNK, Engine
-from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import load_model
 from specserve.speculative.ngram import NGramMethod
@@ -20,8 +19,6 @@ PROMPT = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(
 @pytest.fixture(scope="module")
 def target(checkpoint):
     """A bf16 model on the row-invariant kernels: a token's logits do not depend on the rows beside it."""
-    if not cpu_kernels.available():
-        pytest.skip("the row-invariant kernels need AVX-512 or AVX2")
     loaded = load_model(checkpoint("llama"), dtype=torch.bfloat16)
     assert loaded.model.kernels_usable
     return loaded

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from specserve.models import cpu_kernels as ck
-
-if not ck.available():
-    pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)
+from tests.conftest import runnable_kernel_variants
 
 
-@pytest.fixture(autouse=True)
-def _seed():
+@pytest.fixture(autouse=True, params=runnable_kernel_variants())
+def variant(request, monkeypatch):
+    """Every test here runs on each kernel variant this CPU runs (scalar, avx2, avx512, amx)."""
+    monkeypatch.setenv(ck.ENV, request.param)
     torch.manual_seed(0)
+    return request.param
 
 
 def bf16(*shape):
@@ -153,13 +152,10 @@ def test_decode_attention_rejects_head_dims_off_16():
         ck.decode_attention(q, k, k, torch.ones(1, 1, 1, 3, dtype=torch.bool), 1.0)
 
 
-def test_env_var_disables_the_kernels(monkeypatch):
-    monkeypatch.setenv("SPECSERVE_NO_KERNELS", "1")
-    spec = importlib.util.spec_from_file_location("fresh_cpu_kernels", ck.__file__)
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)
-    assert not fresh.available()
-    assert "SPECSERVE_NO_KERNELS" in fresh.unavailable_reason
+def test_the_variant_asked_for_is_the_one_that_runs(variant):
+    assert ck.available()
+    want = {"scalar": "scalar", "avx2": "avx2_fma", "avx512": "avx512f", "amx": "avx512f"}[variant]
+    assert ck.variant().endswith(f"decode_attention: {want}")
 
 
 @pytest.mark.parametrize("gemma", [False, True])
@@ -179,14 +175,10 @@ def test_rms_norm_matches_the_model_norm_and_is_row_invariant(gemma):
         assert torch.equal(ck.rms_norm(x[i:i + 1], norm.kernel_weight(), norm.eps, gemma)[0], got[i])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def scalar_build():
-    """This source built for the x86-64 baseline: its scalar paths, next to the vector ones this CPU runs."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the vector paths are x86 code")
-    return ck._compile("specserve_cpu_kernels_baseline", ck.SOURCE, ["-march=x86-64"])
+    """The scalar variant of the kernels, next to the one under test."""
+    return ck.extension().scalar
 
 
 @pytest.mark.parametrize("d", [640, 256, 40, 17])
@@ -275,6 +267,4 @@ def test_auto_dtype_is_bf16_wherever_the_row_invariant_kernels_run():
     """fp32 runs PyTorch's attention, whose rows change with the forward's shape: speculation would not be exact."""
     from specserve.models.loader import default_dtype
 
-    if not ck.available():
-        pytest.skip(f"no row-invariant kernels here: {ck.unavailable_reason}")
     assert default_dtype("cpu") == torch.bfloat16

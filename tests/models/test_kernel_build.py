@@ -1,58 +1,83 @@
-"""Building the CPU kernels never waits forever on a lock a killed build left behind (runs without AVX-512 too)."""
+"""The kernels are built at install and required: one extension, its variants chosen by the CPU or by
+SPECSERVE_KERNELS, and a clear error (never a silent fallback) when they cannot load."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-import torch.utils.cpp_extension as cpp_extension
-
-from specserve.models import cpu_kernels
-
-
-def fake_loader(monkeypatch, seen: list[str], check=lambda directory: None):
-    def fake_load(name, sources, build_directory, **kwargs):
-        check(build_directory)
-        seen.append(build_directory)
-        return "extension"
-
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
+from specserve.models import cpu_kernels, quant
+from specserve.models.quant import QuantizationError
+from tests.conftest import runnable_kernel_variants
 
 
-def test_a_stale_torch_build_lock_is_cleared(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
-    abi = f"py{sys.version_info.major}{sys.version_info.minor}_torch{cpu_kernels.torch.__version__.replace('+', '_')}"
-    seen: list[str] = []
-    fake_loader(monkeypatch, seen)
-    cpu_kernels._build()
-    build_dir = Path(seen[0])
-    assert build_dir.parent == tmp_path / abi and build_dir.name.startswith(cpu_kernels.NAME + "-")
-    (build_dir / "lock").write_text("")  # what a build killed mid-way leaves; torch's load() would wait on it
-    fake_loader(monkeypatch, seen, check=lambda directory: Path(directory, "lock").exists() and pytest.fail("lock"))
-    assert cpu_kernels._build() == "extension"
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """The module's per-mode choice forgotten, and restored after the test."""
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})
 
 
-def test_each_source_version_builds_in_its_own_folder(tmp_path, monkeypatch):
-    """Two checkouts with different kernels (or an upgrade) never rebuild over each other's."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    seen: list[str] = []
-    fake_loader(monkeypatch, seen)
-    source = tmp_path / "kernel.cpp"
-    for text in ("int a;", "int b;", "int a;"):
-        source.write_text(text)
-        cpu_kernels._compile("k", source, [])
-    assert seen[0] == seen[2] != seen[1] and all(s.startswith(str(tmp_path)) for s in seen)
+def test_the_extension_has_every_variant_and_the_cpu_runs_the_scalar_one():
+    ext = cpu_kernels.extension()
+    assert ext.VARIANTS[0] == "scalar" and ext.cpu_runs("scalar")
+    assert set(ext.VARIANTS) <= {"scalar", "avx2", "avx512", "amx"}
+    assert not ext.cpu_runs("no-such-variant")
+    for name in ext.VARIANTS:
+        assert callable(getattr(ext, name).small_linear) and callable(getattr(ext, name).LayerStack)
 
 
-def test_env_var_disables_both_kernels_on_any_cpu(monkeypatch):
-    import importlib.util
+def test_auto_takes_the_fastest_variant_this_cpu_runs(monkeypatch, fresh_choice):
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    assert cpu_kernels._load() is getattr(cpu_kernels.extension(), runnable_kernel_variants()[-1])
 
-    monkeypatch.setenv("SPECSERVE_NO_KERNELS", "1")
-    spec = importlib.util.spec_from_file_location("fresh_cpu_kernels", cpu_kernels.__file__)
-    fresh = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fresh)
-    assert not fresh.available() and not fresh.f32_linear_available()
-    assert "SPECSERVE_NO_KERNELS" in fresh.unavailable_reason and "SPECSERVE_NO_KERNELS" in fresh.f32_unavailable_reason
+
+def test_a_variant_this_cpu_cannot_run_is_refused_by_name(monkeypatch, fresh_choice):
+    ext = cpu_kernels.extension()
+    missing = [name for name in ext.VARIANTS if not ext.cpu_runs(name)]
+    if not missing:
+        pytest.skip("this CPU runs every compiled variant")
+    monkeypatch.setenv(cpu_kernels.ENV, missing[-1])
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match=f"cannot run the {missing[-1]} kernels"):
+        cpu_kernels.available()
+
+
+def test_an_unknown_mode_is_an_error_naming_the_choices(monkeypatch, fresh_choice):
+    monkeypatch.setenv(cpu_kernels.ENV, "avx1024")
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match="auto, off, scalar"):
+        cpu_kernels.available()
+
+
+def test_off_turns_every_kernel_off(monkeypatch, fresh_choice):
+    monkeypatch.setenv(cpu_kernels.ENV, "off")
+    assert not cpu_kernels.available() and not cpu_kernels.f32_linear_available()
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match="turned off"):
+        cpu_kernels.variant() or cpu_kernels._require()
+
+
+def test_a_missing_extension_is_an_error_not_a_fallback(monkeypatch, fresh_choice):
+    """A broken build (here: the import fails) stops the start with the cause; nothing falls back to a lossy path."""
+    import importlib
+
+    real = importlib.import_module
+
+    def broken(name, *args):
+        if name == "specserve._C":
+            raise ImportError("undefined symbol: _ZN9specserve12quant_linear")
+        return real(name, *args)
+
+    monkeypatch.setattr(cpu_kernels.importlib, "import_module", broken)
+    monkeypatch.setenv(cpu_kernels.ENV, "auto")
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match="undefined symbol.*pip install"):
+        cpu_kernels.available()
+    with pytest.raises(QuantizationError, match="cannot be loaded"):
+        quant.best_isa()
+
+
+def test_the_model_loader_stops_on_missing_kernels(monkeypatch, fresh_choice, checkpoint):
+    from specserve.models.loader import load_model
+
+    def missing():
+        raise cpu_kernels.KernelsUnavailable("specserve's compiled kernels (specserve._C) cannot be loaded: test")
+
+    monkeypatch.setattr(cpu_kernels, "extension", missing)
+    with pytest.raises(cpu_kernels.KernelsUnavailable, match="cannot be loaded"):
+        load_model(checkpoint("llama"))

@@ -21,9 +21,6 @@ from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 from tests.models.test_quant import isa_paths, random_gguf
 
-if not ck.available():
-    pytest.skip(f"CPU kernels unavailable: {ck.unavailable_reason}", allow_module_level=True)
-
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 
 

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 
 
@@ -56,7 +55,6 @@ def test_mask_hides_stale_slots_and_applies_the_sliding_window():
         cache.attention_masks(torch.tensor([[16]]), torch.tensor([[16]]), None, None)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels need AVX-512")
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_mask_kernel_equals_the_torch_masks(data):

@@ -1,6 +1,7 @@
-"""A GGUF too large to dequantize in memory (an 8B model) converts with its norms and biases only and runs on its
-own blocks; its outputs are those of the same file converted in full. A tiny file stands in, with the memory
-limit set to nothing."""
+"""A GGUF runs from its own file: the cache holds its config, tokenizer and norms, never its linears dequantized,
+and its outputs are those of the file dequantized in memory. One too large to dequantize (an 8B model) still runs
+on its blocks and refuses quantization none. `specserve convert` writes the dequantized weights as an HF
+checkpoint that loads to the same outputs. Tiny files stand in, with the memory limit set to nothing."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def random_gguf():
     return module
 
 
+def cached_tensor_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as reader:
+        return set(reader.keys())
+
+
 @pytest.mark.parametrize("arch, bias", [("llama", False), ("qwen2", True)])
 def test_a_gguf_too_large_to_dequantize_runs_packed(tmp_path, monkeypatch, random_gguf, arch, bias):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
@@ -43,10 +51,57 @@ def test_a_gguf_too_large_to_dequantize_runs_packed(tmp_path, monkeypatch, rando
         return model.model(ids, positions, cache, positions).logits
 
     expected = logits(full)
+    assert not any(name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
+                   for name in cached_tensor_names(full.path)), "a packed linear was also cached dense"
     path.touch()  # a new mtime: a new conversion
     monkeypatch.setattr(loader, "DENSE_RAM_SHARE", 0.0)
     packed = loader.load_model(str(path))
-    assert (packed.path / loader.PACKED_ONLY).exists()
+    assert packed.path != full.path and cached_tensor_names(packed.path) == cached_tensor_names(full.path)
     assert torch.equal(logits(packed), expected)
     with pytest.raises(loader.ModelLoadError, match="too large to dequantize"):
         loader.load_model(str(path), quantization="none")
+
+
+def test_a_gguf_header_is_read_once_per_load_and_equals_ggufs_own_reader(tmp_path, monkeypatch, random_gguf):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from specserve.models import gguf_file
+
+    shape = random_gguf.Shape("llama", 256, 2, 4, 2, 512, 600, tied=False, rope_theta=10000.0, context=256)
+    path = tmp_path / "tiny.gguf"
+    random_gguf.write("tiny", "Q4_K_M", path, shape=shape)
+    fast, reference = gguf_file.FastGGUFReader(path), GGUFReader(path)
+    for key, field in reference.fields.items():
+        other = fast.fields[key]
+        assert other.types == field.types and other.data == field.data
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(other.parts, field.parts)), key
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, t.shape.tolist()) for t in reference.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, reference.tensors))
+
+    made = []
+    monkeypatch.setattr(gguf_file, "FastGGUFReader", lambda *args: made.append(args) or GGUFReader(*args))
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    loader.load_model(str(path))  # config, tokenizer, norms, packing, chat template: one read
+    assert len(made) == 1
+    import gguf
+
+    assert gguf.GGUFReader is GGUFReader  # what the block patched is back
+
+
+def test_convert_writes_a_checkpoint_with_the_ggufs_outputs(tmp_path, monkeypatch, random_gguf):
+    from specserve.models.kv_cache import KVCache
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    shape = random_gguf.Shape("qwen2", 256, 2, 4, 2, 512, 600, tied=True, rope_theta=10000.0, qkv_bias=True,
+                              context=256)
+    path = tmp_path / "tiny-qwen2.gguf"
+    random_gguf.write("tiny qwen2", "Q8_0", path, shape=shape)
+    out = loader.export_hf_checkpoint(str(path), tmp_path / "hf")
+    ids, positions = torch.tensor([[5, 77, 300, 41, 9]]), torch.arange(5)[None]
+    results = []
+    for model in (loader.load_model(str(path), quantization="none"), loader.load_model(str(out))):
+        cache = KVCache.for_model(model.model, 1, 8)
+        results.append(model.model(ids, positions, cache, positions).logits)
+    assert torch.equal(*results)

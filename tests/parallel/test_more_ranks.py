@@ -9,7 +9,6 @@ import torch
 
 from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
 from specserve.engine.engine import Engine
-from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 from specserve.parallel.launch import load_tensor_parallel
 from specserve.speculative.sampling import SamplingParams
@@ -29,7 +28,6 @@ def ngram_equals_plain(target, prompts: list[str], max_tokens: int) -> None:
     assert drafted > 0
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no bf16 row-invariant kernels on this CPU")
 def test_four_ranks_stay_row_invariant_and_exact(gemma_kv1):
     target = load_tensor_parallel(gemma_kv1, "bfloat16", None, 4)
     model = target.model

@@ -8,12 +8,9 @@ import pytest
 import torch
 
 from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
-from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 from specserve.parallel.launch import load_tensor_parallel
 from specserve.speculative.sampling import SamplingParams
-
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no bf16 row-invariant kernels on this CPU")
 
 
 @pytest.fixture(scope="module")

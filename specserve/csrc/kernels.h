@@ -1,0 +1,68 @@
+// What every source of the specserve._C extension includes, and what its sources call across files.
+//
+// One extension holds every kernel: quant_linear.cpp (its vector paths carry their own target attributes and are
+// chosen per call), and the bf16 layer kernels of cpu_kernels.inc compiled once per instruction-set variant
+// (variant_*.cpp, each in its own namespace and submodule). module.cpp says which variants the CPU runs; Python
+// picks one (models/cpu_kernels.py). The build itself targets the baseline of its architecture, so the .so runs on
+// any CPU of it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define SPECSERVE_X86 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#else
+#define SPECSERVE_X86 0
+#endif
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fp_mode.h"
+
+// The x86 variants are compiled with GCC's target pragma, which also sets the ISA macros (__AVX2__, ...) that
+// cpu_kernels.inc selects its code with; other compilers build the scalar variant only.
+#if SPECSERVE_X86 && defined(__GNUC__) && !defined(__clang__)
+#define SPECSERVE_X86_VARIANTS 1
+#else
+#define SPECSERVE_X86_VARIANTS 0
+#endif
+
+namespace specserve {
+
+// y = x @ [dequant(W_i)].T + bias over packed low-bit weights (quant_linear.cpp); the layer stacks call it directly.
+at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& qs,
+                        const std::vector<std::optional<at::Tensor>>& planes, const std::vector<at::Tensor>& scales,
+                        const std::vector<std::optional<at::Tensor>>& offsets, const std::optional<at::Tensor>& bias,
+                        const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
+                        const std::vector<int64_t>& group, const std::vector<int64_t>& zero,
+                        const std::vector<double>& unit, bool out_fp32, const std::string& isa_name);
+
+void bind_quant(pybind11::module_ m);
+
+// Each variant's bind (variant_*.cpp) fills its submodule of specserve._C.
+namespace scalar { void bind(pybind11::module_ m); }
+#if SPECSERVE_X86_VARIANTS
+namespace avx2 { void bind(pybind11::module_ m); }
+namespace avx512 { void bind(pybind11::module_ m); }
+namespace amx { void bind(pybind11::module_ m); }
+#endif
+
+}  // namespace specserve

@@ -1,0 +1,88 @@
+"""A GGUF file's header read once per load, shared by specserve's loader and transformers' GGUF functions.
+
+gguf's GGUFReader builds a numpy view per metadata element; on the np.memmap it opens, each view goes through the
+memmap subclass's bookkeeping, and the default model's 262k-token vocabulary took 19 s to read on a 2-core Zen 3.
+A first start read it five times: transformers' config, tensors and tokenizer, specserve's packer and chat
+template. `FastGGUFReader` slices a plain ndarray over the same mapping instead (the same fields and tensors, 4 s),
+and inside `shared_readers()` every reader of a file, transformers' included, is one instance, transformers'
+metadata parse of it (load_gguf_checkpoint without tensors) runs once, and so does gguf's tensor name map.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache, partial
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader
+
+_local = threading.local()  # .readers: this thread's shared readers by resolved path (None: not sharing)
+
+
+class FastGGUFReader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map: the same fields, parts and tensors (the tensors'
+    data still read from the file on first touch)."""
+
+    @property
+    def data(self):
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:  # GGUFReader.__init__ assigns its np.memmap here
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None):
+        dtype = np.dtype(dtype)
+        values = self._data[offset:offset + dtype.itemsize * int(count)].view(dtype)
+        order = self.byte_order if override_order is None else override_order
+        return values if order == "I" else values.view(dtype.newbyteorder(order))
+
+
+def read(path: Path | str, mode: str = "r") -> GGUFReader:
+    """The reader of `path`: inside shared_readers(), one per file for the whole block; else a new one."""
+    key = str(Path(path).resolve())
+    shared = getattr(_local, "readers", None)
+    if shared is None or mode != "r":
+        return FastGGUFReader(key, mode)
+    if key not in shared:
+        shared[key] = FastGGUFReader(key)
+    return shared[key]
+
+
+@contextmanager
+def shared_readers() -> Iterator[None]:
+    """Until the block ends, every reader of a GGUF file on this thread, specserve's `read` and transformers' GGUF
+    loaders (config, tokenizer, tensors) alike, is one instance per file, made when first asked for."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    if getattr(_local, "readers", None) is not None:  # nested: the outer block's readers
+        yield
+        return
+    _local.readers, _local.metadata = {}, {}
+    load_checkpoint, name_map = hf_gguf.load_gguf_checkpoint, gguf.get_tensor_name_map
+    # transformers imports these from their modules each time it reads a file or maps its names
+    gguf.GGUFReader = read
+    hf_gguf.load_gguf_checkpoint = partial(_metadata_once, load_checkpoint)
+    gguf.get_tensor_name_map = lru_cache(maxsize=8)(name_map)  # asked again for every submodule: 10 ms each
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = GGUFReader, name_map
+        hf_gguf.load_gguf_checkpoint = load_checkpoint
+        _local.readers = _local.metadata = None
+
+
+def _metadata_once(load_checkpoint, path, return_tensors: bool = False, model_to_load=None):
+    """transformers' load_gguf_checkpoint, its metadata-only answer (config, tokenizer: every vocabulary entry
+    parsed into Python, ~4 s for 262k tokens) computed once per file in a shared_readers() block."""
+    if return_tensors:
+        return load_checkpoint(path, return_tensors=True, model_to_load=model_to_load)
+    key = str(Path(path).resolve())
+    if key not in _local.metadata:
+        _local.metadata[key] = load_checkpoint(path, return_tensors=False)
+    # a copy of each part (config, tokenizer, ...): a caller may pop a key of its own
+    return {part: dict(value) if isinstance(value, dict) else value for part, value in _local.metadata[key].items()}
