@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from specserve.engine.draft_gate import DraftGate, GatePool
 from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
-from specserve.engine.step_costs import StepCosts
+from specserve.engine.step_costs import StepCosts, measured_step_costs
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import DraftTree
@@ -182,7 +182,7 @@ class BatchEngine:
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
         # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
-        self.costs = (costs or StepCosts(engine.model, self.max_batch_size, lm_head=engine.ragged_logits)) \
+        self.costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
         self.stats = BatchStats()
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
