@@ -8,7 +8,8 @@ alternated (what such runs decided: docs/design-notes.md).
     python benchmarks/kernel_ab.py linear /tmp/old/specserve/csrc
 
 The other csrc must have this layout (module.cpp and its variant_*.cpp, one extension); it is compiled at run
-time with setup.py's flags. Both builds run the variant SPECSERVE_KERNELS picks (the fastest by default).
+time with setup.py's flags (torch's JIT build: it needs `ninja`, `pip install ninja`). Both builds run the variant
+SPECSERVE_KERNELS picks (the fastest by default).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.

@@ -13,7 +13,8 @@ prompts and token ids, warm-up excluded. The run writes
 
 Peers join when installed: llama.cpp built natively (`python -m specserve.bench.native_llamacpp`, the
 `llamacpp-native` rows) and through llama-cpp-python (`pip install 'specserve[llamacpp]'`) in the offline sets; HF
-transformers with `--hf`. Run it with nothing else on the machine: two processes on two cores slow each other several times over.
+transformers with `--hf`. Run it with nothing else on the machine: two processes on two cores slow each other
+several times over.
 """
 
 from __future__ import annotations

@@ -170,9 +170,9 @@ def hf_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str
 
 def llamacpp_runner(target: LoadedModel, gguf: Path | None, first_prompt: str, max_tokens: int, name: str,
                     prompt_lookup: int) -> TimedRunner:
-    """llama.cpp through llama-cpp-python (a Python loop per token) on the same GGUF file and the same prompt token ids, greedy, all cores;
-    llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end with the stop token,
-    as specserve's do."""
+    """llama.cpp through llama-cpp-python (a Python loop per token) on the same GGUF file and the same prompt token
+    ids, greedy, all cores; llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end
+    with the stop token, as specserve's do."""
     try:
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

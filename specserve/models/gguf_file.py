@@ -79,10 +79,11 @@ def shared_readers() -> Iterator[None]:
 def _metadata_once(load_checkpoint, path, return_tensors: bool = False, model_to_load=None):
     """transformers' load_gguf_checkpoint, its metadata-only answer (config, tokenizer: every vocabulary entry
     parsed into Python, ~4 s for 262k tokens) computed once per file in a shared_readers() block."""
-    if return_tensors:
-        return load_checkpoint(path, return_tensors=True, model_to_load=model_to_load)
+    shared = getattr(_local, "metadata", None)  # None on another thread than the block's
+    if return_tensors or shared is None:
+        return load_checkpoint(path, return_tensors=return_tensors, model_to_load=model_to_load)
     key = str(Path(path).resolve())
-    if key not in _local.metadata:
-        _local.metadata[key] = load_checkpoint(path, return_tensors=False)
+    if key not in shared:
+        shared[key] = load_checkpoint(path, return_tensors=False)
     # a copy of each part (config, tokenizer, ...): a caller may pop a key of its own
-    return {part: dict(value) if isinstance(value, dict) else value for part, value in _local.metadata[key].items()}
+    return {part: dict(value) if isinstance(value, dict) else value for part, value in shared[key].items()}
