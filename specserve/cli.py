@@ -32,9 +32,10 @@ KERNELS_HELP = ("CPU kernels: auto (the fastest variant this CPU runs), scalar, 
 def options(kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP)) -> None:
     """Speculative decoding inference: generate, bench, serve."""
     if kernels is not None:
-        if kernels not in cpu_kernels.MODES:
-            fail(f"--kernels {kernels!r} is not one of {', '.join(cpu_kernels.MODES)}")
-        os.environ[cpu_kernels.ENV] = kernels  # ranks started for tensor parallelism inherit it
+        try:
+            os.environ[cpu_kernels.ENV] = cpu_kernels.parse_mode(kernels, "--kernels")  # TP ranks inherit it
+        except cpu_kernels.KernelsUnavailable as exc:
+            fail(str(exc))
 
 
 def fail(message: str) -> None:

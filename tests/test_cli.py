@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -164,7 +165,7 @@ def test_bench_native_llamacpp_says_what_it_needs(checkpoint, monkeypatch, tmp_p
     from specserve.bench import native_llamacpp
 
     with pytest.raises(ConfigError, match="python -m specserve.bench.native_llamacpp"):
-        native_llamacpp.native_runner(target, tmp_path / "m.gguf", "def f():", 4)
+        native_llamacpp.native_runner(replace(target, gguf=tmp_path / "m.gguf"), "def f():", 4)
 
 
 def test_native_llamacpp_runner_times_by_llamacpps_own_timings():

@@ -159,16 +159,17 @@ class NativeRunner:
         return self.run
 
 
-def native_runner(target, gguf: Path | None, first_prompt: str, max_tokens: int) -> NativeRunner:
+def native_runner(target, first_prompt: str, max_tokens: int) -> NativeRunner:
     from specserve.config import ConfigError
 
-    if gguf is None:
+    if target.gguf is None:
         raise ConfigError(f"llamacpp-native runs GGUF models only, and {target.name} is not one")
     binary = server_binary()
     if binary is None:
         raise ConfigError("llamacpp-native needs llama.cpp built natively: python -m specserve.bench.native_llamacpp "
                           f"(about 8 minutes), or {SERVER_ENV}=<a llama-server binary>")
-    return NativeRunner(NativeServer(binary, gguf, os.cpu_count() or 1), target.tokenizer, first_prompt, max_tokens)
+    return NativeRunner(NativeServer(binary, target.gguf, os.cpu_count() or 1), target.tokenizer, first_prompt,
+                        max_tokens)
 
 
 def main() -> None:

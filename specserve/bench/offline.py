@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from specserve.bench.jsonl import read_jsonl
 from specserve.config import ConfigError, DeploymentConfig, build_engine
-from specserve.models.loader import LoadedModel, resolve_model_source
+from specserve.models.loader import LoadedModel
 from specserve.speculative.registry import PLAIN
 from specserve.speculative.sampling import SamplingParams
 
@@ -168,7 +168,7 @@ def hf_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str
     return TimedRunner(generate, first_prompt, max_tokens)
 
 
-def llamacpp_runner(target: LoadedModel, gguf: Path | None, first_prompt: str, max_tokens: int, name: str,
+def llamacpp_runner(target: LoadedModel, first_prompt: str, max_tokens: int, name: str,
                     prompt_lookup: int) -> TimedRunner:
     """llama.cpp through llama-cpp-python (a Python loop per token) on the same GGUF file and the same prompt token
     ids, greedy, all cores; llamacpp-pld adds its prompt-lookup draft of `prompt_lookup` tokens. The output ids end
@@ -178,10 +178,10 @@ def llamacpp_runner(target: LoadedModel, gguf: Path | None, first_prompt: str, m
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise ConfigError(f"{name} needs llama-cpp-python: pip install 'specserve[llamacpp]'") from None
-    if gguf is None:
+    if target.gguf is None:
         raise ConfigError(f"{name} runs GGUF models only, and {target.name} is not one")
     draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if name == "llamacpp-pld" else None
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_threads=os.cpu_count(), draft_model=draft,
+    llm = llama_cpp.Llama(model_path=str(target.gguf), n_ctx=4096, n_threads=os.cpu_count(), draft_model=draft,
                           verbose=False)
 
     def generate(prompt: str, new_tokens: int) -> tuple[list[int], float]:
@@ -225,11 +225,9 @@ def run_bench(base: DeploymentConfig, target: LoadedModel, prompts: list[str], m
         elif name == NATIVE_METHOD:
             from specserve.bench.native_llamacpp import native_runner
 
-            runners[name] = native_runner(target, resolve_model_source(base.model.source).gguf, prompts[0],
-                                          max_tokens)
+            runners[name] = native_runner(target, prompts[0], max_tokens)
         elif name in LLAMACPP_METHODS:
-            runners[name] = llamacpp_runner(target, resolve_model_source(base.model.source).gguf, prompts[0],
-                                            max_tokens, name, draft_len)
+            runners[name] = llamacpp_runner(target, prompts[0], max_tokens, name, draft_len)
         else:
             spec = base.speculative.with_method(name)
             spec.model = heads.get(name, heads.get(spec.method, base.speculative.model))

@@ -282,11 +282,11 @@ class Engine:
         the server does; without it every step drafts max_draft_len (or the request's own cap). The same tokens
         either way: only the speed differs."""
         from specserve.engine.batch import BatchEngine
-        from specserve.engine.step_costs import target_verify_seconds
+        from specserve.engine.step_costs import measured_step_costs
 
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self._solo_batch is None:
-            costs = target_verify_seconds(self.target) if self.adaptive_draft_len else None
+            costs = measured_step_costs(self.target) if self.adaptive_draft_len else None
             self._solo_batch = BatchEngine(self, 1, adaptive_draft=self.adaptive_draft_len, costs=costs)
         batch = self._solo_batch
         seq = batch.add(prompt_ids, params)

@@ -36,12 +36,17 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # mode -> the variant submodule (or None for off)
 
 
+def parse_mode(value: str, given_as: str = ENV) -> str:
+    """`value` as a kernels mode (auto, off or a variant's name); KernelsUnavailable naming `given_as` if it is none."""
+    mode = value.strip().lower() or "auto"
+    if mode not in MODES:
+        raise KernelsUnavailable(f"{given_as} {value!r} is not one of {', '.join(MODES)}")
+    return mode
+
+
 def mode() -> str:
     """SPECSERVE_KERNELS: auto (the fastest variant this CPU runs), off, or a variant's name."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in MODES:
-        raise KernelsUnavailable(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
-    return value
+    return parse_mode(os.environ.get(ENV, "auto"))
 
 
 def extension():

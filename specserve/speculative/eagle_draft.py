@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError, flag, int_at_least
-from specserve.engine.step_costs import target_verify_seconds
+from specserve.engine.step_costs import measured_step_costs
 from specserve.models.loader import LoadedModel
 from specserve.speculative import eagle_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
@@ -397,7 +397,7 @@ def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
         if any(not 1 <= int(i) <= spec.num_layers for i in aux):
             raise ValueError(f"EAGLE-3 target layers {aux} must lie in 1..{spec.num_layers}")
         static = options.name == "eagle" or options.choices is not None
-        verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
+        verify_seconds = measured_step_costs(target) if options.adaptive_draft_len else None
         lookup = (options.prompt_lookup_min, options.prompt_lookup_max) if options.lookup_branch else None
         suffix = SUFFIX.build(SuffixOptions(**options.suffix), target) if options.suffix_branch else None
         draft_vocab = read_draft_vocab(Path(options.model), spec.vocab_size) if head.kind == "eagle" else None

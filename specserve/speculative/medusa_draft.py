@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError
-from specserve.engine.step_costs import target_verify_seconds
+from specserve.engine.step_costs import measured_step_costs
 from specserve.models.loader import LoadedModel
 from specserve.speculative import medusa_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
@@ -140,7 +140,7 @@ def build(options: MedusaOptions, target: LoadedModel) -> MedusaMethod:
     spec = target.model.spec
     try:
         heads = load_medusa(options.model, spec.hidden_size, spec.vocab_size, dtype=target.model.dtype)
-        verify_seconds = target_verify_seconds(target) if options.adaptive_draft_len else None
+        verify_seconds = measured_step_costs(target) if options.adaptive_draft_len else None
         return MedusaMethod(heads, options.choices or DEFAULT_CHOICES, options.typical, verify_seconds,
                             options.quantization)
     except (ValueError, TypeError, OSError) as exc:

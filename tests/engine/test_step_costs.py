@@ -14,13 +14,13 @@ def test_the_cached_table_keeps_only_the_most_recent_entries(loaded, tmp_path, m
     file = tmp_path / "verify_costs.json"
     old = {f"an older code version {i}": [1.0] * len(step_costs.StepCosts.SIZES) for i in range(40)}
     file.write_text(json.dumps(old))
-    costs = step_costs.target_verify_seconds(loaded("llama"))
+    costs = step_costs.measured_step_costs(loaded("llama"))
     table = json.loads(file.read_text())
     assert len(table) == step_costs.TABLES_KEPT
     assert list(table.values())[-1]["seconds"] == costs.seconds  # the new entry, measured
     assert "an older code version 39" in table and "an older code version 0" not in table
     monkeypatch.setattr(step_costs, "_MEASURED", {})
-    assert step_costs.target_verify_seconds(loaded("llama")).seconds == costs.seconds  # read back, not measured
+    assert step_costs.measured_step_costs(loaded("llama")).seconds == costs.seconds  # read back, not measured
     assert len(json.loads(file.read_text())) == step_costs.TABLES_KEPT
 
 
