@@ -135,13 +135,15 @@ def load_model_yaml(path: Path) -> DeploymentConfig:
         raise ConfigError(f"pipeline_parallel_size={data['pipeline_parallel_size']!r} is not supported: use "
                           "tensor_parallel_size")
     base = Path(path).parent
+    max_model_len = data.get("max_model_len")
     model = ModelConfig(resolve_path(str(data["model"]), base), data.get("dtype"), data.get("quantization"),
-                        data.get("max_model_len"),
+                        None if max_model_len is None else int_at_least(max_model_len, "max_model_len", 2),
                         int_at_least(data.get("tensor_parallel_size", 1), "tensor_parallel_size"))
     triton = data.get("triton_config") or {}
     check_keys(triton, TRITON_KEYS, "triton_config")
     serving = ServingConfig(int_at_least(triton.get("max_batch_size", ServingConfig.max_batch_size),
-                                         "max_batch_size", 0), bool(triton.get("decoupled", False)))
+                                         "max_batch_size", 0),
+                            flag(triton.get("decoupled", False), "triton_config.decoupled"))
     spec = data.get("speculative_config")
     return DeploymentConfig(model, serving, read_speculative_config(spec, base) if spec else SpeculativeConfig())
 
@@ -159,9 +161,11 @@ def read_speculative_config(spec: dict, base: Path) -> SpeculativeConfig:
                                model=resolve_path(str(draft), base) if draft else None,
                                adaptive_draft_len=flag(spec.get("adaptive_draft_len", True), "adaptive_draft_len"),
                                settings=settings)
-    for key, extra in DRAFT_LEN_KEYS.items():
-        if key in spec:
-            config.max_draft_len = int_at_least(spec[key], key) + extra
+    given = [key for key in DRAFT_LEN_KEYS if key in spec]
+    if len(given) > 1:
+        raise ConfigError(f"speculative_config gives the draft length twice ({' and '.join(given)}): keep one")
+    for key in given:
+        config.max_draft_len = int_at_least(spec[key], key) + DRAFT_LEN_KEYS[key]
     registry.check_exclusive(entry, settings)
     config.check()
     return config

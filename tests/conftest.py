@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Tests never reach a model hub (CI has no network to one): fail fast instead of waiting on connection timeouts.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -104,7 +105,8 @@ def loaded(checkpoint):
     return get
 
 
-STORIES = "/work/shared/models/stories260K/stories260K.bin"
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # beside the checkout
+STORIES = str(SHARED / "models" / "stories260K" / "stories260K.bin")
 STORY_PROMPTS = [f"{start}{mood}" for mood in ("", " happy", " little", " sad")
                  for start in ("Once upon a time", "One day", "Tom and Lily", "The little dog", "There was a",
                                "In the park", "Mom said", "The sun was")]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.checks import ConfigError
 from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
@@ -187,6 +188,9 @@ class Engine:
         self.draft_slots = method.draft_slots(self.max_draft_len) if self.max_draft_len else 1
         self.needs_hidden = bool(self.max_draft_len) and method.needs_hidden_states
         self.hidden_layers = method.hidden_layers if self.needs_hidden else ()
+        if max_model_len is not None and not 2 <= max_model_len <= target.max_model_len:
+            raise ConfigError(f"max_model_len={max_model_len} is outside the model's 2..{target.max_model_len} "
+                              "tokens")
         self.max_model_len = max_model_len or target.max_model_len
         self.eos_ids = target.eos_token_ids
         # structured outputs: the tokenizer as the grammar engine sees it, built on the first guided request

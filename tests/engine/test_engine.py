@@ -156,6 +156,17 @@ def test_prompt_longer_than_context_is_a_request_error(loaded):
         engine.generate("", SamplingParams(max_tokens=4))
 
 
+def test_max_model_len_caps_the_context_within_the_models(loaded):
+    target = loaded("llama")
+    engine = Engine(target, max_model_len=64)
+    assert engine.max_model_len == 64
+    with pytest.raises(RequestError, match="context"):
+        engine.generate(list(range(3, 3 + 80)), SamplingParams(max_tokens=4))
+    for bad in (1, target.max_model_len + 1):
+        with pytest.raises(ValueError, match="max_model_len"):
+            Engine(target, max_model_len=bad)
+
+
 def test_build_engine_from_config(loaded, checkpoint):
     config = DeploymentConfig(ModelConfig(checkpoint("mistral"), dtype="float32"),
                               speculative=SpeculativeConfig("draft_target", 3, checkpoint("mistral", seed=1)))

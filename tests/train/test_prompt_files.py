@@ -11,7 +11,7 @@ import pytest
 from specserve.train.prompt_files import check_held_out, read_prompt_file, write_prompts
 from specserve.train.prompt_set import GENERAL_INSTRUCTIONS, build_prompt_set, code_prompts
 
-HUMANEVAL = Path("/work/shared/data/humaneval_question.jsonl")
+HUMANEVAL = Path(__file__).resolve().parents[3] / "shared" / "data" / "humaneval_question.jsonl"
 EVAL_PROMPT = ('Complete the code I provided.\n\ndef add(a: int, b: int) -> int:\n    """Add a and b.\n'
                '    >>> add(2, 3)\n    5\n    """\n')
 
