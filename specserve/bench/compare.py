@@ -202,7 +202,10 @@ def format_report(report: dict) -> str:
 
 def plot(base: Run, spec: Run, report: dict, path: str | Path) -> Path:
     """Latency distribution (box + points per request) and output token throughput side by side (PNG)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise CompareError("--plot needs matplotlib: pip install 'specserve[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -6,20 +6,21 @@ Every supported format is one affine code per weight (the layouts of ggml's `ggm
 
 | format | bits | G  | z   | s, o                         | bytes / 32 weights (GGUF -> packed) |
 |--------|------|----|-----|------------------------------|-------------------------------------|
-| Q4_0   | 4    | 32 | 8   | d                            | 18 -> 20 |
-| Q4_1   | 4    | 32 | 0   | d, -m                        | 20 -> 24 |
-| Q5_0   | 5    | 32 | 16  | d                            | 22 -> 24 |
-| Q5_1   | 5    | 32 | 0   | d, -m                        | 24 -> 28 |
-| Q8_0   | 8    | 32 | 128 | d (q stored as q + 128)      | 34 -> 36 |
-| Q4_K   | 4    | 32 | 0   | d * sc, dmin * m             | 18 -> 24 |
-| Q5_K   | 5    | 32 | 0   | d * sc, dmin * m             | 22 -> 28 |
-| Q6_K   | 6    | 16 | 32  | d * sc                       | 26.25 -> 32 |
+| Q4_0   | 4    | 32 | 8   | d                            | 18 -> 18 |
+| Q4_1   | 4    | 32 | 0   | d, -m                        | 20 -> 20 |
+| Q5_0   | 5    | 32 | 16  | d                            | 22 -> 22 |
+| Q5_1   | 5    | 32 | 0   | d, -m                        | 24 -> 24 |
+| Q8_0   | 8    | 32 | 128 | d (q stored as q + 128)      | 34 -> 34 |
+| Q4_K   | 4    | 32 | 0   | d * sc, dmin * m             | 18 -> 20 |
+| Q5_K   | 5    | 32 | 0   | d * sc, dmin * m             | 22 -> 24 |
+| Q6_K   | 6    | 16 | 32  | d * sc                       | 26.25 -> 28 |
 | int8   | 8    | 32 | 128 | max abs / 127 (symmetric)    | from fp weights |
 | int4   | 4    | 32 | 0   | (max - min) / 15, -min       | from fp weights |
 
-The products d * sc of the K-quants are exact in fp32 (an fp16 times a 6- or 8-bit integer), so the packed
-weights are the GGUF's own values, never widened to bf16. The kernel quantizes each activation row to int8 per
-block of 32 (as llama.cpp does) and sums q * p in integers, so a row's result does not depend on the other rows.
+Scales and offsets are packed as fp16 per block, in a power-of-two `unit` of the weight's own (`half_unit`): a
+GGUF's f16 scales exactly, a K-quant's products d * sc and dmin * m to fp16's 11 bits (2^-12 relative). The kernel
+quantizes each activation row to int8 per block of 32 (as llama.cpp does) and sums q * p in integers, so a row's
+result does not depend on the other rows.
 """
 
 from __future__ import annotations

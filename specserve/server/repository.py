@@ -12,7 +12,6 @@ Each served name has a *kind* that decides its request/response conventions: `ll
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -50,22 +49,27 @@ class ModelNotReadyError(RepositoryError):
 # config files
 
 
-def parse_pbtxt(text: str) -> dict:
-    """The few config.pbtxt fields specserve uses (a regex read of the protobuf text format, not a full parser)."""
-    out: dict = {}
-    for key in ("backend", "platform", "name"):
-        match = re.search(rf'^\s*{key}\s*:\s*"([^"]*)"', text, re.M)
-        if match:
-            out[key] = match.group(1)
-    match = re.search(r"^\s*max_batch_size\s*:\s*(-?\d+)", text, re.M)
-    if match:
-        out["max_batch_size"] = int(match.group(1))
-    match = re.search(r"\bdecoupled\s*:\s*(true|false|True|False|1|0)\b", text)
-    if match:
-        out["decoupled"] = match.group(1).lower() in ("true", "1")
-    match = re.search(r"\bmax_queue_size\s*:\s*(\d+)", text)
-    if match:
-        out["max_queue_size"] = int(match.group(1))
+def parse_pbtxt(text: str, where: str = "config.pbtxt") -> dict:
+    """The config.pbtxt fields specserve uses (backend, platform, name, max_batch_size, decoupled, max_queue_size),
+    read as Triton reads the file: protobuf's text format into its ModelConfig (tritonclient's model_config_pb2).
+    A typo, a field Triton does not have or a template placeholder left unfilled is a ConfigError naming the line."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    out: dict = {key: getattr(config, key) for key in ("backend", "platform", "name") if getattr(config, key)}
+    if config.max_batch_size < 0:
+        raise ConfigError(f"{where}: max_batch_size must be >= 0, got {config.max_batch_size}")
+    if config.max_batch_size:  # 0, as absent: the model.yaml's triton_config decides
+        out["max_batch_size"] = config.max_batch_size
+    if config.HasField("model_transaction_policy"):
+        out["decoupled"] = config.model_transaction_policy.decoupled
+    if config.dynamic_batching.default_queue_policy.max_queue_size:
+        out["max_queue_size"] = config.dynamic_batching.default_queue_policy.max_queue_size
     return out
 
 
@@ -105,7 +109,7 @@ def read_model_dir(model_dir: Path, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE
     name = model_dir.name
     pbtxt = {}
     if (model_dir / "config.pbtxt").is_file():
-        pbtxt = parse_pbtxt((model_dir / "config.pbtxt").read_text(errors="replace"))
+        pbtxt = parse_pbtxt((model_dir / "config.pbtxt").read_text(errors="replace"), str(model_dir / "config.pbtxt"))
     versions = sorted((p.name for p in model_dir.iterdir()
                        if p.is_dir() and p.name.isdigit()
                        and ((p / "model.yaml").is_file() or (p / "model.json").is_file())), key=int)

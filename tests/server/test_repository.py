@@ -20,6 +20,25 @@ dynamic_batching { default_queue_policy { max_queue_size: 5 } }
     assert parse_pbtxt(text) == {"name": "ensemble", "platform": "ensemble", "max_batch_size": 8,
                                  "decoupled": True, "max_queue_size": 5}
     assert parse_pbtxt('backend: "vllm"') == {"backend": "vllm"}
+    full = text + 'input [{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }]\n' \
+        'parameters { key: "tokenizer_dir" value: { string_value: "/models/t" } }\n'
+    assert parse_pbtxt(full)["max_queue_size"] == 5
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('max_batch_sise: 8\n', "max_batch_sise"),  # a typo
+    ('max_batch_size: ${triton_max_batch_size}\n', "2:|1:"),  # a template never filled
+    ('model_transaction_policy { decoupled: "false" }\n', "decoupled"),
+    ('max_batch_size: -1\n', "max_batch_size"),
+])
+def test_pbtxt_errors_name_the_field(text, needle, tmp_path):
+    with pytest.raises(ConfigError, match=needle):
+        parse_pbtxt(text)
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "config.pbtxt").write_text(text)
+    (tmp_path / "m" / "1" / "model.yaml").write_text("model: gemma-3-270m\n")
+    broken = ModelRepository.from_directory(tmp_path).models["m"].source
+    assert broken.broken and "config.pbtxt" in broken.error
 
 
 def test_read_model_dir_kinds(repo_dir):
