@@ -620,7 +620,7 @@ def profile_compare(
 
 def measure_step_costs(target) -> dict[int, float]:
     """Milliseconds of one target forward of n new tokens (all with logits) in one row, empty context."""
-    from specserve.engine.step_costs import StepCosts
+    from specserve.models.step_costs import StepCosts
 
     costs = StepCosts(target.model, rows=1)
     return {size: round(seconds * 1e3, 2) for size, seconds in zip(costs.sizes, costs.seconds)}

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from specserve.bench.method_run import MethodRun
+
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the release `specserve[llamacpp]` pins; its sdist vendors llama.cpp
 TARGETS = ("llama-server", "llama-bench")
 SERVER_ENV = "SPECSERVE_LLAMA_SERVER"  # a llama-server binary to use instead of the cached build
@@ -126,8 +128,6 @@ class NativeRunner:
     llama.cpp's own prompt_ms + predicted_ms; decode and prefill rates kept apart as well."""
 
     def __init__(self, server: NativeServer, tokenizer, first_prompt: str, max_tokens: int):
-        from specserve.bench.offline import MethodRun
-
         self.server, self.tokenizer, self.max_tokens = server, tokenizer, max_tokens
         start = time.perf_counter()
         self.request(first_prompt)

@@ -15,7 +15,7 @@ not (`ShadowDraft`), so a large batch that stopped drafting still learns when dr
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
-A prompt longer than one prefill chunk (engine.PREFILL_CHUNK) is prefilled chunk by chunk in a cache of its own,
+A prompt longer than one prefill chunk (sequence.PREFILL_CHUNK) is prefilled chunk by chunk in a cache of its own,
 between the decoding steps of the running requests, and joins the batch once its first token is out. While others
 decode, chunks get at most PREFILL_SHARE of the time, so a long prompt slows them by at most 1 / (1 - share); a
 cancelled request stops between chunks. A failure ends only the request it belongs to: a per-row failure comes back
@@ -30,8 +30,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from specserve.engine.draft_gate import DraftGate, GatePool
-from specserve.engine.engine import PREFILL_CHUNK, Engine, Sequence, StreamEvent
-from specserve.engine.step_costs import StepCosts, measured_step_costs
+from specserve.engine.output import StreamEvent
+from specserve.engine.sequence import PREFILL_CHUNK, Sequence
+from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import DraftTree
@@ -163,12 +164,13 @@ class ShadowDraft:
 
 
 class BatchEngine:
-    """Rows 0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled
-    with the last one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
+    """The steps of an engine (engine.Engine: its model, method and forward) over many requests. Rows
+    0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled with the last
+    one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
 
     PREFILL_SHARE = 0.25  # of the time, at most, for long prompts' chunks while other requests decode
 
-    def __init__(self, engine: Engine, max_batch_size: int, capacity: int | None = None,
+    def __init__(self, engine, max_batch_size: int, capacity: int | None = None,
                  adaptive_draft: bool = True, costs: StepCosts | None = None):
         self.engine = engine
         self.max_batch_size = max(1, max_batch_size)

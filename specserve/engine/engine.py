@@ -4,164 +4,36 @@ With no method (or max_draft_len 0) every step verifies an empty draft, which is
 through the very same code path. A request runs through a one-row `BatchEngine`, the server's step: with
 `adaptive_draft_len` its draft-length choice is the server's; without it, every step drafts max_draft_len.
 
-A prompt longer than PREFILL_CHUNK tokens is prefilled in chunks of PREFILL_CHUNK (positions [0, C), [C, 2C), ...;
-the last piece, at most C tokens, is the ordinary forward that samples the first token). The boundaries depend on
-the prompt alone, so a request computes the same cache whether it runs alone or a server interleaves its chunks
-with other requests' steps; chunks of C = 64 run on the row-invariant kernels, as fast per token as one piece.
+A request's state and its verify-and-commit are `sequence.Sequence`'s; detokenizing and stops are output.py's. A
+prompt longer than sequence.PREFILL_CHUNK tokens is prefilled chunk by chunk.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from specserve.checks import ConfigError
-from specserve.engine.request import GenerationResult, RequestMetrics
+from specserve.engine.batch import BatchEngine
+from specserve.engine.output import StopChecker, StreamEvent
+from specserve.engine.request import GenerationResult
+from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.models.transformer import MAX_KERNEL_TOKENS, CausalLM
+from specserve.models.transformer import CausalLM
 from specserve.speculative.base import Proposal, SpecMethod
-from specserve.speculative.grammar import (AfterForced, GrammarVocabulary, GuideError, TokenGrammar, sub_probs,
-                                          subtree)
-from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs
+from specserve.speculative.grammar import AfterForced, GrammarVocabulary, GuideError, TokenGrammar
+from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain, after_chain
-from specserve.speculative.verify import mask_logits, verify
 
 log = logging.getLogger("specserve.engine")
 
-PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
-
-
 class RequestError(ValueError):
     """A request the engine refuses (bad parameters, prompt too long): the caller's mistake, not a crash."""
-
-
-@dataclass
-class StreamEvent:
-    text: str  # new text since the previous event
-    token_ids: list[int]  # new token ids since the previous event
-    result: GenerationResult | None = None  # set on the last event
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asks for them
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first event, when the request asks
-
-
-@functools.lru_cache(maxsize=8)
-def byte_fallback_ids(tokenizer) -> frozenset[int]:
-    """The ids of a SentencePiece vocabulary's byte tokens (<0x00> .. <0xFF>); none in other vocabularies."""
-    ids = tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)])
-    return frozenset(i for i in ids if i is not None and i != tokenizer.unk_token_id)
-
-
-@functools.lru_cache(maxsize=8)
-def skipped_special_ids(tokenizer) -> frozenset[int]:
-    """The ids `decode(..., skip_special_tokens=True)` drops: the special tokens and the added tokens marked
-    special (Gemma's thousands of <unusedN>)."""
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in added.items() if t.special}
-
-
-class IncrementalDetokenizer:
-    """The text of a growing list of token ids, as `tokenizer.decode(ids, skip_special_tokens=True)` gives it,
-    for a few tokens' decoding per step instead of all of them (a full decode per step made a long output
-    quadratic: 0.74 ms a step at 2,048 tokens for Gemma's tokenizer).
-
-    Windowed as vLLM's detokenize_incrementally: the text up to `read` is settled; each step decodes the ids
-    from `prefix` (the settled window's start, at a character boundary) on, and the new text is what that
-    decode adds to the decode of ids[prefix:read]. Both decodes start at the same token, so whatever a decoder
-    does to a string's start (a stripped leading space) cancels out. The window settles once its text does not
-    end in U+FFFD (an incomplete UTF-8 character) and its last id that the decode keeps (special ids are skipped)
-    is not a byte token (SentencePiece's <0xNN> byte fallback decodes a run of byte tokens together, across a
-    skipped special id, and an invalid run turns every byte of it into U+FFFD, the ones before too). A tokenizer that cleans up spaces between tokens (`clean_up_tokenization_spaces`)
-    rewrites earlier text, so it is decoded whole."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.windowed = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self.byte_ids = byte_fallback_ids(tokenizer) if self.windowed else frozenset()
-        self.special_ids = skipped_special_ids(tokenizer) if self.windowed else frozenset()
-        self.ids: list[int] = []
-        self.settled = ""  # the text of ids[:read]
-        self.prefix = self.read = 0
-
-    def extend(self, ids: list[int]) -> str:
-        """Append ids; returns the text of all ids so far."""
-        self.ids += ids
-        if not self.windowed:
-            return self._decode(self.ids)
-        before = self._decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
-        tail = self._decode(self.ids[self.prefix:])[len(before):]
-        if tail and not tail.endswith("\ufffd") and not self._ends_in_a_byte_run():
-            self.settled += tail
-            self.prefix, self.read, tail = self.read, len(self.ids), ""
-        return self.settled + tail
-
-    def _ends_in_a_byte_run(self) -> bool:
-        kept = next((i for i in reversed(self.ids[self.read:]) if i not in self.special_ids), None)
-        return kept in self.byte_ids
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class StopChecker:
-    """Applies EOS / stop ids / max_tokens per token and stop strings on the decoded text."""
-
-    def __init__(self, tokenizer, params: SamplingParams, eos_ids: set[int]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
-        self.output: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-
-    def add(self, tokens: list[int]) -> None:
-        """Append emitted tokens until one of them ends the request. The text never includes a stop token or a
-        stop string (as vLLM and OpenAI do); the token ids include the token that stopped it."""
-        text_tokens = []  # decoded together after the loop (without stop strings)
-        for token in tokens:
-            self.output.append(token)
-            if token in self.stop_ids:
-                self.finish_reason = "stop"
-                break
-            if not self.params.stop:
-                text_tokens.append(token)
-            elif self._hit_stop_string(token):
-                self.finish_reason = "stop"
-                return
-            if len(self.output) >= self.params.max_tokens:
-                self.finish_reason = "length"
-                break
-        if text_tokens:
-            self.text = self.detokenizer.extend(text_tokens)
-
-    def _hit_stop_string(self, token: int) -> bool:
-        """Decode `token`; a stop string in the text ends it there."""
-        text = self.detokenizer.extend([token])
-        for stop in self.params.stop:
-            index = text.find(stop, max(0, len(self.text) - len(stop)))
-            if index >= 0:
-                self.text = text[:index]
-                return True
-        self.text = text
-        return False
-
-    def stable_text_length(self) -> int:
-        """How much of the text can be streamed: hold back a partial UTF-8 character or a partial stop string."""
-        text = self.text
-        end = len(text.rstrip("\ufffd")) if self.finish_reason is None else len(text)
-        if self.finish_reason is None:
-            for stop in self.params.stop:
-                for k in range(min(len(stop) - 1, end), 0, -1):
-                    if text[:end].endswith(stop[:k]):
-                        end -= k
-                        break
-        return end
 
 
 def forced_then(root: int, forced: list[int], proposal: Proposal | None) -> Proposal:
@@ -285,8 +157,7 @@ class Engine:
         measured step costs, the request's acceptance per evidence, learnt from the requests before it too), as
         the server does; without it every step drafts max_draft_len (or the request's own cap). The same tokens
         either way: only the speed differs."""
-        from specserve.engine.batch import BatchEngine
-        from specserve.engine.step_costs import measured_step_costs
+        from specserve.models.step_costs import measured_step_costs
 
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self._solo_batch is None:
@@ -421,138 +292,3 @@ class Engine:
         return event
 
 
-class Sequence:
-    """One request's decoding state: committed tokens, the token not yet fed to the target, its proposer and
-    draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator, proposer,
-                 stops: StopChecker, grammar: TokenGrammar | None = None):
-        self.params = params
-        self.grammar = grammar  # structured outputs: the grammar state after the emitted tokens
-        self.generator = generator
-        self.proposer = proposer
-        self.stops = stops
-        self.metrics = RequestMetrics(prompt_tokens=len(prompt_ids))
-        self.tokens = prompt_ids[:-1]  # committed; their keys/values are (or will be) in the cache
-        self.pending = [prompt_ids[-1]]  # emitted but not yet fed to the target
-        self.proposal = Proposal.chain(self.pending[0], [])
-        self.logprobs: list[TokenLogprobs] = []  # of the output tokens, when params.logprobs is set
-        self.prompt_logprobs: list[TokenLogprobs | None] = [None]  # the first prompt token has none
-        self.start = time.perf_counter()
-        self.sent_text = self.sent_tokens = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.stops.finish_reason is not None
-
-    @property
-    def prefilled(self) -> bool:
-        return self.metrics.target_forwards > 0
-
-    @property
-    def context(self) -> list[int]:
-        """Prompt and generated tokens; the last one is the pending root of the next draft."""
-        return self.tokens + self.pending
-
-    def draft_room(self, max_len: int) -> int:
-        """Draft tokens this request may take now: none before its prefill (which runs alone, exactly as in plain
-        decoding), none beyond the request's own cap, and none that would pass max_tokens."""
-        if self.proposer is None or not self.prefilled:
-            return 0
-        return max(min(max_len, self.draft_cap, self.params.max_tokens - len(self.stops.output) - 1), 0)
-
-    @property
-    def draft_cap(self) -> int | float:
-        """The request's own limit on draft tokens per step (`num_speculative_tokens`; none: unbounded)."""
-        cap = self.params.num_speculative_tokens
-        return float("inf") if cap is None else cap
-
-    def feed(self, cached: int) -> list[int]:
-        """The tokens the next forward must run: those not yet in the cache, then the draft."""
-        return self.tokens[cached:] + self.pending + self.proposal.tokens
-
-    def prompt_to_score(self, cached: int) -> int:
-        """Prompt tokens before the root, from slot `cached` on, whose logits the next forward must return: all
-        of them when the request scores its prompt and is not prefilled yet, else none."""
-        return max(len(self.tokens) - cached, 0) if self.params.prompt_logprobs is not None and not self.prefilled \
-            else 0
-
-    def greedy_only(self, cached: int) -> bool:
-        """Whether the next forward's logits serve only their argmaxes: greedy, no logprobs of any kind, no
-        grammar masks (the forward may then return GreedyChoices)."""
-        params = self.params
-        return (params.greedy and params.logprobs is None and self.grammar is None
-                and not self.prompt_to_score(cached))
-
-    def score_prompt(self, logits: torch.Tensor, start: int) -> None:
-        """logits [n, V] at prompt slots start..start+n-1: each scores the prompt token after it."""
-        following = self.context[start + 1: start + 1 + logits.shape[0]]
-        self.prompt_logprobs += token_logprobs(logits, following, self.params, self.params.prompt_logprobs)
-
-    def constrain_draft(self) -> None:
-        """A guided request's draft cut where its grammar forbids a token, with each node's mask of allowed tokens
-        attached (`grammar.TokenGrammar.constrain`); nothing without a guide or once done for this proposal."""
-        proposal = self.proposal
-        if self.grammar is None or proposal.allowed is not None:
-            return
-        keep, allowed = self.grammar.constrain(proposal.tree, proposal.probs)
-        if len(keep) < len(proposal.tree):
-            proposal = Proposal(subtree(proposal.tree, keep), sub_probs(proposal.probs, keep), proposal.typical,
-                                evidence=proposal.evidence)
-        proposal.allowed = allowed
-        self.proposal = proposal
-
-    def commit(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> tuple[list[int], StreamEvent | None]:
-        """Verify the draft against the target's logits [k+1, V] (one row per draft node, root first); returns
-        (accepted draft nodes, event or None). `hidden` [fed, F]: the target's features at every fed row (the
-        uncached tokens, the root, then one row per draft node)."""
-        if self.params.max_tokens == 0:  # the prompt scored, nothing to generate
-            self.metrics.record_step(0, 0)
-            self.stops.finish_reason = "length"
-            return [], self._event()
-        self.constrain_draft()  # a step without a draft (the prefill) still needs the root's mask
-        proposal = self.proposal
-        nodes, emitted = verify(proposal.tree, logits, self.params, self.generator, proposal.probs, proposal.typical,
-                                proposal.allowed)
-        if self.params.logprobs is not None:  # row 0 (the root) scores the first emitted token, node n the next
-            path = [0] + nodes  # a guided request's: those of the masked distribution it was drawn from
-            rows = mask_logits(logits[path], None if proposal.allowed is None else proposal.allowed[path])
-            self.logprobs += token_logprobs(rows, emitted, self.params, self.params.logprobs)
-        if hidden is not None:  # the features of the tokens this step commits: fed rows up to the root, accepted nodes
-            root = hidden.shape[0] - len(logits)
-            self.proposer.observe_hidden(hidden[list(range(root + 1)) + [root + n for n in nodes]])
-        self.metrics.record_step(len(proposal.tokens), len(nodes), proposal.tree.max_depth)
-        if self.grammar is not None:
-            emitted = self.grammar.advance(emitted)
-        self.tokens += self.pending + emitted[:-1]
-        self.pending = emitted[-1:]
-        self.proposal = Proposal.chain(self.pending[0], [])  # this one's masks are spent
-        self.stops.add(emitted)
-        if self.grammar is not None and self.grammar.finished and not self.finished:
-            self.stops.finish_reason = "stop"  # complete (a JSON value closed, a choice matched): nothing may follow
-        if self.finished and self.proposer is not None:
-            self.proposer.request_finished(self.stops.output)
-        del self.logprobs[len(self.stops.output):]  # tokens after a stop are not output
-        if self.metrics.time_to_first_token_s == 0.0:
-            self.metrics.time_to_first_token_s = time.perf_counter() - self.start
-        return nodes, self._event()
-
-    def _event(self) -> StreamEvent | None:
-        stops = self.stops
-        end = stops.stable_text_length()
-        if not (end > self.sent_text or len(stops.output) > self.sent_tokens or stops.finish_reason):
-            return None
-        first = self.sent_tokens == 0 and self.sent_text == 0
-        event = StreamEvent(stops.text[self.sent_text:end], stops.output[self.sent_tokens:],
-                            logprobs=self.logprobs[self.sent_tokens:] if self.params.logprobs is not None else None,
-                            prompt_logprobs=self.prompt_logprobs if first and self.params.prompt_logprobs is not None
-                            else None)
-        self.sent_text, self.sent_tokens = end, len(stops.output)
-        if stops.finish_reason is not None:
-            self.metrics.output_tokens = len(stops.output)
-            self.metrics.total_time_s = time.perf_counter() - self.start
-            event.result = GenerationResult(
-                stops.text, stops.output, stops.finish_reason, self.metrics,
-                logprobs=self.logprobs if self.params.logprobs is not None else None,
-                prompt_logprobs=self.prompt_logprobs if self.params.prompt_logprobs is not None else None)
-        return event

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from specserve.engine.engine import StreamEvent
+from specserve.engine.output import StreamEvent
 from specserve.server.errors import InputError, failure_reason
 from specserve.server.http import with_disconnect
 from specserve.server.metrics import ServerMetrics

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.engine.batch import BatchEngine, StreamBatch
-from specserve.engine.engine import Engine, RequestError, StreamEvent
+from specserve.engine.engine import Engine, RequestError
+from specserve.engine.output import StreamEvent
 from specserve.server.compute import COMPUTE
 from specserve.speculative.sampling import SamplingParams
 

@@ -34,7 +34,7 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError, flag, int_at_least
-from specserve.engine.step_costs import measured_step_costs
+from specserve.models.step_costs import measured_step_costs
 from specserve.models.loader import LoadedModel
 from specserve.speculative import eagle_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod

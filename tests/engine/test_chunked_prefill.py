@@ -6,7 +6,8 @@ import torch
 
 from specserve.engine import engine as engine_module
 from specserve.engine.batch import BatchEngine
-from specserve.engine.engine import PREFILL_CHUNK, Engine
+from specserve.engine.engine import Engine
+from specserve.engine.sequence import PREFILL_CHUNK
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
 

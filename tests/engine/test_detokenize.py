@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from specserve.engine.engine import IncrementalDetokenizer, StopChecker, skipped_special_ids
+from specserve.engine.output import IncrementalDetokenizer, StopChecker, skipped_special_ids
 from specserve.models.loader import embedded_default_gguf, gguf_to_hf_dir, llama2c_to_hf_dir
 from specserve.speculative.sampling import SamplingParams
 from tests.conftest import STORIES

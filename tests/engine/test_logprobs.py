@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.engine import PREFILL_CHUNK, Engine
+from specserve.engine.engine import Engine
+from specserve.engine.sequence import PREFILL_CHUNK
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import load_model
 from specserve.speculative.ngram import NGramMethod

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from specserve.engine.engine import RequestError, StreamEvent
+from specserve.engine.engine import RequestError
+from specserve.engine.output import StreamEvent
 from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.server.runner import QueueFullError, RequestCancelledError, Runner, RunnerClosedError
 from specserve.speculative.sampling import SamplingParams

@@ -34,7 +34,8 @@ from specserve.bench.profile.config import ProfileConfig, ProfileError
 from specserve.bench.profile.exports import console_table, export_document, metric_label, write_exports
 from specserve.bench.profile.inputs import PlannedRequest, load_input_file, plan_requests
 from specserve.bench.profile.metrics import Clock, RequestRecord, aggregate, perf_summary, request_metrics, statistics
-from specserve.bench.profile.run import ProfileResult, run_profile, run_requests
+from specserve.bench.profile.result import ProfileResult
+from specserve.bench.profile.run import run_profile, run_requests
 
 __all__ = ["Clock", "PlannedRequest", "ProfileConfig", "ProfileError", "ProfileResult", "RequestRecord", "Style",
            "aggregate", "console_table", "export_document", "load_input_file", "metric_label", "openai_style",

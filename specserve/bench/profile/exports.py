@@ -6,13 +6,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-from typing import TYPE_CHECKING
-
 from specserve.bench.profile.config import ProfileError
 from specserve.bench.profile.metrics import REQUEST_METRICS, STREAMING_ONLY, SYSTEM_METRICS
-
-if TYPE_CHECKING:
-    from specserve.bench.profile.run import ProfileResult
+from specserve.bench.profile.result import ProfileResult
 
 PROFILER_VERSION = "specserve-profile 1"
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
@@ -19,28 +17,7 @@ from specserve.bench.profile.exports import write_exports
 from specserve.bench.profile.inputs import load_input_file, plan_requests
 from specserve.bench.profile.metrics import (Clock, RequestRecord, aggregate, perf_summary, request_metrics, scrape,
                                              spec_delta)
-
-
-@dataclass
-class ProfileResult:
-    config: ProfileConfig
-    records: list[RequestRecord]
-    stats: dict
-    per_request: list[dict | None]
-    input_tokens: list[int]
-    output_tokens: list[int | None]
-    server_spec: dict | None
-    perf: dict | None
-    export_file: Path
-    genai_perf_json: Path
-    genai_perf_csv: Path
-    style: Style
-    tokenizer_name: str
-    window: tuple[int, int]
-
-    @property
-    def failed(self) -> list[RequestRecord]:
-        return [r for r in self.records if r.error]
+from specserve.bench.profile.result import ProfileResult
 
 
 def run_profile(config: ProfileConfig, echo: Callable[[str], None] = lambda s: None) -> ProfileResult:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from specserve.engine.engine import StreamEvent
+from specserve.engine.output import StreamEvent
 from specserve.server.errors import InputError
 from specserve.server.http import EventStream, json_response, read_json, sse, with_disconnect
 from specserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from specserve.engine.engine import StreamEvent
+from specserve.engine.output import StreamEvent
 from specserve.server.errors import InputError
 from specserve.server.http import EventStream, json_response, read_json, sse, with_disconnect
 from specserve.server.repository import ServedModel

@@ -97,7 +97,7 @@ def code_version() -> str:
     since a faster forward changes the draft lengths and tree sizes the table leads to."""
     import hashlib
 
-    models = Path(__file__).resolve().parent.parent / "models"
+    models = Path(__file__).resolve().parent
     sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.[ch]*"))
     return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from specserve.engine import step_costs
+from specserve.models import step_costs
 
 
 def test_the_cached_table_keeps_only_the_most_recent_entries(loaded, tmp_path, monkeypatch):
