@@ -179,6 +179,3 @@ class KVCache:
         for kc, vc in zip(self.keys, self.values):
             kc[row, :, dst] = kc[row, :, src_slots]
             vc[row, :, dst] = vc[row, :, src_slots]
-
-    def reset_row(self, row: int) -> None:
-        self.lengths[row] = 0

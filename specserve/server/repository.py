@@ -27,7 +27,6 @@ from specserve.server.runner import DEFAULT_MAX_ACTIVE, Runner
 log = logging.getLogger("specserve.server")
 
 LLMAPI, VLLM, ENSEMBLE = "llmapi", "vllm", "ensemble"
-KINDS = (LLMAPI, VLLM, ENSEMBLE)
 # The names the seeds' curl lines use, served by `specserve serve` without a repository (one engine behind all)
 DEFAULT_ALIASES = {"tensorrt_llm": LLMAPI, "ensemble": ENSEMBLE, "vllm_model": VLLM, "eagle_model": VLLM}
 DEFAULT_MAX_QUEUE_SIZE = 64

@@ -122,6 +122,15 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return residual / total if total > 0 else p
 
 
+def without_token(p: torch.Tensor, token: int) -> torch.Tensor:
+    """residual_distribution(p, q) for q one-hot at `token`, without building q: p less that token's mass,
+    renormalized (the same numbers: p - 0 is p, and p[token] - 1 clamps to 0)."""
+    residual = p.clone()
+    residual[token] = 0.0
+    total = residual.sum()
+    return residual / total if total > 0 else p
+
+
 def rejection_sampling(tree: DraftTree, draft_probs, logits: torch.Tensor, params: SamplingParams,
                        generator: torch.Generator) -> Verdict:
     """Lossless recursive rejection sampling over siblings; temperature / top-k / top-p come from `params` (the
@@ -137,16 +146,14 @@ def rejection_sampling(tree: DraftTree, draft_probs, logits: torch.Tensor, param
         accepted_child = None
         for child in children:
             token = tokens[child - 1]
-            if q_node is None:
-                q = torch.zeros_like(p)
-                q[token] = 1.0
+            if q_node is None:  # a deterministic draft: q is one-hot at its token
+                ratio = p[token]
             else:
-                q = q_node
-            ratio = p[token] / q[token] if q[token] > 0 else torch.tensor(0.0)
+                ratio = p[token] / q_node[token] if q_node[token] > 0 else torch.tensor(0.0)
             if torch.rand((), generator=generator) < ratio:
                 accepted_child = child
                 break
-            p = residual_distribution(p, q)
+            p = without_token(p, token) if q_node is None else residual_distribution(p, q_node)
         if accepted_child is None:  # every child rejected (residual) or a leaf (bonus): p is what is left
             final = int(sample(p[None], generator))
             return Verdict(nodes, [tokens[n - 1] for n in nodes] + [final])

@@ -12,7 +12,6 @@ import httpx
 import numpy as np
 
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99)
-TIME_METRICS = ("time_to_first_token", "time_to_second_token", "request_latency", "inter_token_latency")
 # genai-perf's order: LLMMetrics.request_metrics and system_metrics (console / CSV rows)
 REQUEST_METRICS = [("time_to_first_token", "ms"), ("time_to_second_token", "ms"), ("request_latency", "ms"),
                    ("inter_token_latency", "ms"), ("output_token_throughput_per_user", "tokens/sec/user"),
@@ -21,7 +20,6 @@ SYSTEM_METRICS = [("output_token_throughput", "tokens/sec"), ("request_throughpu
                   ("request_count", "count")]
 STREAMING_ONLY = {"time_to_first_token", "time_to_second_token", "inter_token_latency",
                   "output_token_throughput_per_user"}
-STAT_UNITS = {"request_throughput": "requests/sec", "request_count": "count", "output_token_throughput": "tokens/sec"}
 
 
 @dataclass

@@ -23,8 +23,6 @@ from specserve.server.grpc.service import InferenceService
 from specserve.server.grpc.status import RequireApiKey
 from specserve.server.request import ServerContext
 
-DEFAULT_GRPC_PORT = 8001
-
 
 async def start_grpc_server(ctx: ServerContext, host: str, port: int,
                             api_key: str | None = None) -> tuple[grpc.aio.Server, int]:
