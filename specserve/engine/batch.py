@@ -204,9 +204,10 @@ class BatchEngine:
     def active(self) -> int:
         return len(self.rows)
 
-    def add(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Queue a request (RequestError for bad input); it starts at a later step."""
-        seq = self.engine.new_sequence(prompt, params)
+    def add(self, prompt: str | list[int], params: SamplingParams, checked=None) -> Sequence:
+        """Queue a request (RequestError for bad input; `checked`: Engine.check_request's verdict on it, which
+        spares the check); it starts at a later step."""
+        seq = self.engine.new_sequence(prompt, params, checked=checked)
         self.waiting.append(seq)
         return seq
 
@@ -465,7 +466,7 @@ class StreamBatch:
         self.waiting: deque = deque()
         self.current = None  # (token, generator)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams):
+    def add(self, prompt_ids: list[int], params: SamplingParams, checked=None):
         token = object()
         self.waiting.append((token, prompt_ids, params))
         return token

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +35,13 @@ log = logging.getLogger("specserve.engine")
 
 class RequestError(ValueError):
     """A request the engine refuses (bad parameters, prompt too long): the caller's mistake, not a crash."""
+
+
+@dataclass
+class CheckedRequest:
+    """What Engine.check_request made of a request it passed: its grammar, compiled once (None: no guide)."""
+
+    grammar: TokenGrammar | None
 
 
 def forced_then(root: int, forced: list[int], proposal: Proposal | None) -> Proposal:
@@ -90,7 +98,8 @@ class Engine:
             raise RequestError("prompt must be a non-empty string")
         return self.tokenizer(prompt).input_ids
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> CheckedRequest:
+        """RequestError unless the request can run; its grammar compiled (once: new_sequence takes it from here)."""
         try:
             params.validate()
         except ValueError as exc:
@@ -105,18 +114,10 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens")
         self.check_token_ids(prompt_ids)
-        if params.guide is not None:
-            try:
-                self.grammar_vocab.check(params.guide)
-            except GuideError as exc:
-                raise RequestError(str(exc)) from None
-
-    def compile_guide(self, params: SamplingParams) -> TokenGrammar | None:
-        """The request's grammar state, or None when it has no guide (RequestError for a guide that fails)."""
         if params.guide is None:
-            return None
+            return CheckedRequest(None)
         try:
-            return self.grammar_vocab.compile(params.guide)
+            return CheckedRequest(self.grammar_vocab.compile_checked(params.guide))
         except GuideError as exc:
             raise RequestError(str(exc)) from None
 
@@ -132,16 +133,16 @@ class Engine:
                 return event.result
         raise RuntimeError("stream ended without a result")
 
-    def new_sequence(self, prompt: str | list[int], params: SamplingParams, capacity: int | None = None
-                     ) -> "Sequence":
-        """Validate a request and set up its decoding state (RequestError for bad input). Its proposer's caches
+    def new_sequence(self, prompt: str | list[int], params: SamplingParams, capacity: int | None = None,
+                     checked: CheckedRequest | None = None) -> Sequence:
+        """Set up a request's decoding state, validated here (RequestError for bad input) unless `checked` says
+        check_request passed it already (a server checks requests off the compute thread). Its proposer's caches
         get `capacity` slots, by default the request's own size rather than the full context."""
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(prompt_ids, params)
+        grammar = (checked or self.check_request(prompt_ids, params)).grammar
         capacity = capacity or self.capacity_for(prompt_ids, params)
         generator = params.make_generator()
         proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
-        grammar = self.compile_guide(params)
         if proposer is not None:
             proposer.grammar = grammar
         return Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids),

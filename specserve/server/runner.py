@@ -111,6 +111,7 @@ class RequestHandle:
         self.id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
+        self.checked = None  # the engine's check_request verdict (its compiled grammar), for batch.add
         self.observer = observer
         self.timing = RequestTiming(submitted=time.perf_counter(), arrival_ns=time.time_ns())
         self.state = "queued"  # queued | running | finished | failed | cancelled
@@ -234,15 +235,17 @@ class Runner:
         the observer hears of that refusal too."""
         observer = observer or RequestObserver()
         try:
-            prompt_ids = await off_loop(self._check, prompt, params)
-            return self._enqueue(prompt_ids, params, observer)
+            prompt_ids, checked = await off_loop(self._check, prompt, params)
+            return self._enqueue(prompt_ids, params, observer, checked)
         except BaseException as exc:
             observer.failed(exc, None)
             observer.ended(None)
             raise
 
-    def _enqueue(self, prompt_ids: list[int], params: SamplingParams, observer: RequestObserver) -> RequestHandle:
+    def _enqueue(self, prompt_ids: list[int], params: SamplingParams, observer: RequestObserver,
+                 checked=None) -> RequestHandle:
         handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer)
+        handle.checked = checked
         with self._cv:
             if self._closing:
                 raise RunnerClosedError(f"model '{self.name}' is not accepting requests (unloading)")
@@ -281,7 +284,8 @@ class Runner:
             self._thread.join(timeout)
 
     # ---- internals ----------------------------------------------------------------------------------------------
-    def _check(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def _check(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], object]:
+        """(prompt ids, the engine's check_request verdict: its grammar compiled here, off the compute thread)."""
         if isinstance(prompt, str):
             prompt_ids = self.engine.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -290,13 +294,12 @@ class Runner:
             raise RequestError("prompt must be a string or a list of token ids")
         check = getattr(self.engine, "check_request", None)
         if check is not None:
-            check(prompt_ids, params)
-        else:
-            try:
-                params.validate()
-            except ValueError as exc:
-                raise RequestError(str(exc)) from None
-        return prompt_ids
+            return prompt_ids, check(prompt_ids, params)
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        return prompt_ids, None
 
     def _drop(self, handle: RequestHandle) -> None:
         with self._cv:
@@ -377,7 +380,7 @@ class Runner:
         timing.started_ns = time.time_ns()
         handle.state = "running"
         try:
-            handle.sequence = COMPUTE.run(batch.add, handle.prompt_ids, handle.params)
+            handle.sequence = COMPUTE.run(batch.add, handle.prompt_ids, handle.params, handle.checked)
         except Exception as exc:  # noqa: BLE001 - e.g. RequestError: delivered to this caller only
             handle.error = exc
             self._finish(handle, owners, "failed", exc)

@@ -102,10 +102,12 @@ class GrammarVocabulary:
                                                                eos_token=self.eos_ids or None)
             return self._tokenizer
 
-    def check(self, guide: Guide) -> None:
-        """GuideError (llguidance's message) unless the guide compiles against this vocabulary and gives a first
-        mask: llguidance builds its lexer lazily, so a regex such as `a{99999999}` fails only there."""
-        self.compile(guide).bits()
+    def compile_checked(self, guide: Guide) -> TokenGrammar:
+        """`compile`, and its first mask computed: llguidance builds its lexer lazily, so a regex such as
+        `a{99999999}` fails only there (GuideError, llguidance's message)."""
+        grammar = self.compile(guide)
+        grammar.bits()
+        return grammar
 
     def compile(self, guide: Guide) -> TokenGrammar:
         """A request's grammar state at the start of its output (GuideError for a guide that does not compile)."""

@@ -46,3 +46,34 @@ def test_engine_steps_and_loading_run_on_the_compute_thread(monkeypatch, loaded)
     finally:
         runner.close()
     assert threads == {COMPUTE.ident}
+
+
+def test_a_guided_request_compiles_its_grammar_once_off_the_compute_thread(monkeypatch, loaded):
+    import asyncio
+
+    from specserve.engine.engine import Engine
+    from specserve.server.runner import Runner
+    from specserve.speculative.grammar import GrammarVocabulary, Guide
+    from specserve.speculative.sampling import SamplingParams
+
+    compiles = []
+    compile_ = GrammarVocabulary.compile
+
+    def recording_compile(self, guide):
+        compiles.append(threading.get_ident())
+        return compile_(self, guide)
+
+    monkeypatch.setattr(GrammarVocabulary, "compile", recording_compile)
+    runner = Runner(Engine(loaded("llama")), name="grammar-test")
+
+    async def ask():
+        params = SamplingParams(max_tokens=6, guide=Guide("regex", "(yes|no)[a-d]{1,4}"))
+        handle = await runner.submit("def fibonacci(n):", params)
+        return [event async for event in handle][-1].result
+
+    try:
+        result = asyncio.run(ask())
+    finally:
+        runner.close()
+    assert result.text[:2] in ("ye", "no")
+    assert len(compiles) == 1 and compiles[0] != COMPUTE.ident
