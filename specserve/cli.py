@@ -16,6 +16,7 @@ from specserve.engine.engine import RequestError
 from specserve.models import cpu_kernels
 from specserve.models.chat_template import ChatTemplateError, read_template_file
 from specserve.models.loader import DEFAULT_MODEL, ModelLoadError, load_model
+from specserve.settings import check_environment
 from specserve.speculative import registry
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.suffix import SCOPES as SUFFIX_SCOPES
@@ -31,6 +32,10 @@ KERNELS_HELP = ("CPU kernels: auto (the fastest variant this CPU runs), scalar, 
 @app.callback()
 def options(kernels: Optional[str] = typer.Option(None, "--kernels", help=KERNELS_HELP)) -> None:
     """Speculative decoding inference: generate, bench, serve."""
+    try:
+        check_environment()
+    except ConfigError as exc:
+        fail(str(exc))
     if kernels is not None:
         try:
             os.environ[cpu_kernels.ENV] = cpu_kernels.parse_mode(kernels, "--kernels")  # TP ranks inherit it
