@@ -4,14 +4,9 @@ Each request owns a row of one KV cache. A new request's prefill runs alone (as 
 decoding request, each with its own draft and cache length, goes through one batched verify forward. The
 row-invariant kernels make a request's tokens independent of its batch mates, so batching stays lossless.
 
-The draft length is chosen per step from the target's measured cost per forward size and each request's
-acceptance rate: it maximizes expected tokens per second, so speculation shrinks, or stops, when the batch is
-large enough that verifying drafts costs more than it brings. The acceptance estimate forgets old evidence
-(`Acceptance`: the first draft token's rate and each later one's, given its predecessor), so a request alone keeps
-drafting wherever drafts pay. It is kept per kind of draft (`AcceptanceByEvidence`, by `Proposal.evidence`: the
-matched n for n-gram), and a request's starts from all earlier requests' (optimistic before any). Where drafting
-runs no model (n-gram), the evidence is a full draft scored against the tokens the request then emits, verified or
-not (`ShadowDraft`), so a large batch that stopped drafting still learns when drafts would pay.
+The draft length is chosen per step (draft_length.py: the most expected tokens per second from the target's
+measured cost per forward size and each request's acceptance); a tree method's drafting is gated per request
+(draft_gate.py).
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
@@ -26,16 +21,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 from specserve.engine.draft_gate import DraftGate, GatePool
+from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.output import StreamEvent
-from specserve.engine.sequence import PREFILL_CHUNK, Sequence
+from specserve.engine.sequence import PREFILL_CHUNK, Sequence, reproducible
 from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.models.kv_cache import KVCache
 from specserve.speculative.sampling import SamplingParams
-from specserve.speculative.tree import DraftTree
 
 
 @dataclass
@@ -43,124 +37,6 @@ class BatchStats:
     steps: int = 0
     last_batch_size: int = 0
     last_draft_len: int = 0
-
-
-def expected_tokens(first: float, draft_len: int, further: float | None = None) -> float:
-    """Tokens a verify step emits on average when the first draft token is accepted with probability `first` and
-    each later one, its predecessor accepted, with probability `further` (default: `first`, independent tokens)."""
-    further = first if further is None else further
-    if draft_len == 0:
-        return 1.0
-    reached = draft_len if further >= 1.0 else (1.0 - further ** draft_len) / (1.0 - further)
-    return 1.0 + first * reached
-
-
-class Rate:
-    """A success rate that starts from a prior and forgets old evidence: after a run of failures with no new
-    trials it drifts back to the prior, so a request tries again. A plain running mean starves: once it says
-    "do not draft", no draft brings new evidence and it never drafts again (the server then ran n-gram requests
-    at plain-decoding speed)."""
-
-    DECAY = 0.9  # the share of the evidence kept per step: about the last ten steps count
-
-    def __init__(self, prior: float, weight: float, decay: float = DECAY):
-        self.prior, self.weight = prior, weight  # the prior counts as `weight` trials
-        self.decay = decay
-        self.trials = self.successes = 0.0
-
-    def update(self, trials: int, successes: int) -> None:
-        self.trials = self.trials * self.decay + trials
-        self.successes = self.successes * self.decay + successes
-
-    @property
-    def value(self) -> float:
-        return (self.successes + self.prior * self.weight) / (self.trials + self.weight)
-
-
-class Acceptance:
-    """A request's draft acceptance, as the draft-length choice sees it: the rate of its first draft token and the
-    rate of each later one given the one before was accepted. Drafts are not independent tokens: a prompt-lookup
-    continuation that is right at its first token is usually right for many more, so one per-token rate (the
-    geometric model) undervalues long drafts: for n-gram on general questions, a request alone drafted 2 tokens
-    more often than 4 with one rate, and drafts 4 in two steps of three with two."""
-
-    PRIOR_FIRST = 0.7  # before any evidence: optimistic, so a new request drafts at once
-    PRIOR_FURTHER = 0.8
-
-    def __init__(self, prior_first: float = PRIOR_FIRST, prior_further: float = PRIOR_FURTHER,
-                 decay: float = Rate.DECAY):
-        # one first-token trial per step, up to max_draft_len - 1 later ones: priors worth about one step each
-        self.first = Rate(prior_first, 1.0, decay)
-        self.further = Rate(prior_further, 3.0, decay)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """One verify step's verdict: `accepted` of the `drafted` tokens (a prefix) were accepted."""
-        self.first.update(int(drafted > 0), int(accepted > 0))
-        # draft token j > 0 is reached when token j - 1 was accepted
-        self.further.update(min(accepted, max(drafted - 1, 0)), max(accepted - 1, 0))
-
-    def expected_tokens(self, draft_len: int) -> float:
-        return expected_tokens(self.first.value, draft_len, self.further.value)
-
-
-def reproducible(seq: Sequence) -> bool:
-    """A request that asked for a seed: its speculation must not depend on other requests or on timing, so that
-    the same seed gives the same output."""
-    return seq.params.seed is not None
-
-
-class AcceptanceByEvidence:
-    """Draft acceptance kept apart per the evidence the drafts rest on (`Proposal.evidence`): a 3-gram match is
-    accepted far more often than a 1-gram one, and one estimate for both drafts too long after a 1-gram match and
-    too short after a 3-gram one. A request's estimate for an evidence starts from the `pool`'s (all requests' so
-    far, forgetting slowly) rather than from a fixed prior, and feeds it."""
-
-    POOL_DECAY = 0.99  # about the last hundred verdicts of an evidence count
-
-    def __init__(self, pool: AcceptanceByEvidence | None = None, decay: float = Rate.DECAY):
-        self.pool, self.decay = pool, decay
-        self.by_evidence: dict[Hashable, Acceptance] = {}
-
-    @classmethod
-    def pooled(cls) -> AcceptanceByEvidence:
-        return cls(decay=cls.POOL_DECAY)
-
-    def __getitem__(self, evidence: Hashable) -> Acceptance:
-        if evidence not in self.by_evidence:
-            pooled = None if self.pool is None else self.pool[evidence]
-            prior = () if pooled is None else (pooled.first.value, pooled.further.value)
-            self.by_evidence[evidence] = Acceptance(*prior, decay=self.decay)
-        return self.by_evidence[evidence]
-
-    def update(self, drafted: int, accepted: int, evidence: Hashable = None) -> None:
-        self[evidence].update(drafted, accepted)
-        if self.pool is not None:
-            self.pool.update(drafted, accepted, evidence)
-
-
-@dataclass
-class ShadowDraft:
-    """A draft that was not verified, waiting for the tokens it guessed. For a deterministic draft, matching the
-    emitted token is exactly as likely as verification accepting it (both happen with the target's probability of
-    the drafted token, siblings included), so its score is the acceptance the draft would have had."""
-
-    start: int  # the context length when it was drafted: its first level guesses context[start]
-    tree: DraftTree  # a chain, or a tree of deterministic siblings (suffix decoding)
-    evidence: Hashable = None  # the proposal's (Proposal.evidence)
-
-    def verdict(self, seq: Sequence) -> tuple[int, int] | None:
-        """(drafted, accepted: the root path the emitted tokens follow) once the request has emitted enough to
-        tell, else None."""
-        tree, draft = self.tree, self.tree.draft
-        node = accepted = 0
-        for token in seq.context[self.start:]:
-            child = next((c for c in tree.children(node) if draft[c - 1] == token), None)
-            if child is None:  # the target left the tree here
-                return len(draft), accepted
-            node, accepted = child, accepted + 1
-            if not tree.children(node):  # a leaf: all of its path would have been accepted
-                return len(draft), accepted
-        return None
 
 
 class BatchEngine:
@@ -177,27 +53,24 @@ class BatchEngine:
         self.capacity = capacity or (engine.max_model_len + engine.draft_slots)
         self.cache = KVCache.growable(engine.model, self.max_batch_size, self.capacity)
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
-        self.acceptance: dict[Sequence, AcceptanceByEvidence] = {}
-        self.pooled_acceptance = AcceptanceByEvidence.pooled()  # every request's, the prior of each new one's
-        self.shadows: dict[Sequence, list[ShadowDraft]] = {}  # drafts scored, not verified (`_learns_from_shadows`)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
         # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
         self.costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
+        self.draft_length = DraftLengthChoice(engine, self.costs)
         self.stats = BatchStats()
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is chosen per step below
         self.gated = self.costs is not None and engine.method.drafts_trees
-        self.draft_seconds_per_token: float | None = None  # a model-drafted chain's, smoothed
         self.gates: dict[Sequence, DraftGate] = {}
         self.gate_pool = GatePool()
 
     def forget_acceptance(self) -> None:
         """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
         keep their own estimates."""
-        self.pooled_acceptance.by_evidence.clear()
+        self.draft_length.forget()
         self.gate_pool = GatePool()
 
     @property
@@ -216,7 +89,7 @@ class BatchEngine:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.prefilling.pop(seq, None)
-        if seq in self.acceptance:
+        if seq in self.rows:
             self._remove(seq)
 
     def has_work(self) -> bool:
@@ -271,15 +144,13 @@ class BatchEngine:
     def _add_row(self, seq: Sequence) -> int:
         """Give a request the next row of the batch (the cache grows to hold it); returns the row."""
         self.rows.append(seq)
-        # a seeded request learns from its own drafts alone: draft lengths (and so the random numbers its
-        # verification draws) then do not depend on which requests ran before it
-        self.acceptance[seq] = AcceptanceByEvidence(None if reproducible(seq) else self.pooled_acceptance)
+        self.draft_length.join(seq)
         self._fit_cache()
         return len(self.rows) - 1
 
     def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
         started = time.perf_counter()
-        draft_len = self.choose_draft_len(self.rows)
+        draft_len = self.draft_length.choose(self.rows)
         verify = self._verify_share(len(self.rows))
         cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq).decide(verify))
         failed = self.engine.draft(self.rows, draft_len, cheap)  # a failed proposer ends its request alone
@@ -289,9 +160,9 @@ class BatchEngine:
             return failed
         seqs = list(self.rows)
         self._fit_cache()
-        if self._learns_from_shadows:
+        if self.draft_length.learns_from_shadows:
             events = self._forward(seqs)
-            self._score_shadows(seqs)
+            self.draft_length.score_shadows(seqs)
         else:
             before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
                       for seq in seqs]
@@ -301,11 +172,7 @@ class BatchEngine:
             for seq, (drafted, accepted, proposal) in zip(seqs, before):
                 drafted = seq.metrics.total_draft_tokens - drafted
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
-                self.acceptance[seq].update(drafted, accepted, proposal.evidence)
-                if drafted and not (self.engine.method.drafts_for_free or self.engine.method.drafts_trees):
-                    per_token = proposal.seconds / drafted
-                    self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
-                        0.8 * self.draft_seconds_per_token + 0.2 * per_token
+                self.draft_length.record(seq, drafted, accepted, proposal)
                 if self.gated and seq in self.gates:
                     self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
                                             None if reproducible(seq) else shares.get(id(proposal)))
@@ -328,40 +195,6 @@ class BatchEngine:
             except Exception as exc:  # noqa: BLE001 - this row's own failure
                 events.append(exc)
         return events
-
-    @property
-    def _learns_from_shadows(self) -> bool:
-        """Where drafting is free, acceptance is learnt from full-length drafts that are not verified but scored
-        against the tokens the request then emits (`ShadowDraft`), whatever the step's draft length. Learnt
-        from verified drafts alone, a batch that stopped drafting learns nothing more and stays at its prior (at
-        8 requests on a CPU the prior's choice is a coin toss between 0 and 2, and a batch whose drafts would be
-        accepted 9 times in 10 decoded without them), and one drafting a token learns nothing about the next."""
-        return self.costs is not None and self.engine.method.drafts_for_free
-
-    def _score_shadows(self, seqs: list[Sequence]) -> None:
-        """Score the drafts the step's tokens decide, and draft from where each request now stands: one draft
-        per step, as verified drafts would be."""
-        for seq in seqs:
-            open_drafts = []
-            for shadow in self.shadows.get(seq, []):
-                verdict = shadow.verdict(seq)
-                if verdict is None:
-                    open_drafts.append(shadow)
-                else:
-                    self.acceptance[seq].update(*verdict, shadow.evidence)
-            if not seq.finished:
-                open_drafts += self._shadow_draft(seq)
-            self.shadows[seq] = open_drafts
-
-    def _shadow_draft(self, seq: Sequence) -> list[ShadowDraft]:
-        room = seq.draft_room(self.engine.max_draft_len)
-        try:
-            proposal = seq.proposer.propose(seq.context, room) if room else None
-        except Exception:  # noqa: BLE001 - the request goes on undrafted; its next real draft reports the failure
-            return []
-        if proposal is None or not proposal.tree.draft:
-            return []
-        return [ShadowDraft(len(seq.context), proposal.tree, proposal.evidence)]
 
     def _prefill(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         row = self._add_row(seq)
@@ -386,8 +219,7 @@ class BatchEngine:
             self.cache.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
-        del self.acceptance[seq]
-        self.shadows.pop(seq, None)
+        self.draft_length.leave(seq)
         self.gates.pop(seq, None)
         self.cache.lengths[last] = 0
         self._fit_cache()
@@ -418,42 +250,6 @@ class BatchEngine:
             return None
         base = self.costs(rows, rows)
         return lambda n: base / rows + self.costs(rows + n, rows + n) - base
-
-    def choose_draft_len(self, seqs: list[Sequence]) -> int:
-        """The draft length (shared by the batch) with the most expected tokens per second (target time, plus a
-        draft model's time per drafted token). A request
-        with its own cap (`num_speculative_tokens`) drafts at most that many, and where drafting is free, at most
-        the draft it has now (its latest shadow draft): it counts so in the expected tokens. The forward pads every
-        row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts; only the
-        lm_head skips the padding."""
-        caps = [seq.draft_cap for seq in seqs]
-        top = min(self.engine.max_draft_len, max(caps, default=0))
-        if not top or self.costs is None or self.engine.method.budgets_itself:
-            return top
-        available = [self._draft_available(seq, top) for seq in seqs]
-        caps = [min(cap, depth) for cap, (depth, _) in zip(caps, available)]
-        estimates = [self.acceptance.get(seq, self.pooled_acceptance)[evidence]
-                     for seq, (_, evidence) in zip(seqs, available)]
-
-        drafting = self.draft_seconds_per_token or 0.0  # a draft model's time per drafted token (n-gram: none)
-
-        def throughput(k: int) -> float:
-            drafted = [min(k, cap) for cap in caps]
-            tokens = sum(a.expected_tokens(d) for a, d in zip(estimates, drafted))
-            return tokens / (self.costs(len(seqs) * (max(drafted) + 1), sum(d + 1 for d in drafted))
-                             + drafting * sum(drafted))
-
-        return max(range(top + 1), key=throughput)
-
-    def _draft_available(self, seq: Sequence, top: int) -> tuple[int, Hashable]:
-        """How long a draft the request has now, and its evidence, where drafts are scored as shadows: its latest
-        shadow was drafted from where it stands (a deterministic proposer drafts the same again); none there:
-        nothing to draft. Otherwise (or before its first shadow) `top`, and no evidence."""
-        if not self._learns_from_shadows or seq not in self.shadows or seq.grammar is not None:
-            return top, None
-        here = [shadow for shadow in self.shadows[seq] if shadow.start == len(seq.context)]
-        return (here[-1].tree.max_depth, here[-1].evidence) if here else (0, None)
-
 
 class StreamBatch:
     """The BatchEngine interface over anything with `stream(prompt_ids, params)`, one request at a time: for

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.engine.batch import Acceptance, AcceptanceByEvidence, BatchEngine, ShadowDraft, expected_tokens
+from specserve.engine.batch import BatchEngine
+from specserve.engine.draft_length import Acceptance, AcceptanceByEvidence, ShadowDraft, expected_tokens
 from specserve.engine.engine import Engine
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
@@ -66,9 +67,9 @@ def test_draft_length_shrinks_when_verification_gets_expensive(loaded):
     batch = BatchEngine(Engine(target, NGramMethod(1, 3), 4), max_batch_size=4)
     batch.costs.seconds = [1.0 * s for s in batch.costs.sizes]  # cost proportional to tokens: drafting never pays
     seqs = [batch.add(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:3]]
-    assert batch.choose_draft_len(seqs) == 0
+    assert batch.draft_length.choose(seqs) == 0
     batch.costs.seconds = [1.0 for _ in batch.costs.sizes]  # flat cost: draft as much as allowed
-    assert batch.choose_draft_len(seqs) == 4
+    assert batch.draft_length.choose(seqs) == 4
 
 
 def test_requests_with_nothing_to_draft_do_not_make_the_batch_draft(loaded):
@@ -76,15 +77,15 @@ def test_requests_with_nothing_to_draft_do_not_make_the_batch_draft(loaded):
     request has one does not pad its rows for drafts that will not come, even when verifying is free."""
     batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
     seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
-    while not all(seq in batch.shadows for seq in seqs):  # prefilled and decoded once: shadows scored
+    while not all(seq in batch.draft_length.shadows for seq in seqs):  # prefilled and decoded once: shadows scored
         batch.step()
     batch.costs.seconds = [1.0 for _ in batch.costs.sizes]
     for seq in seqs:
-        batch.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]))]
-    assert batch.choose_draft_len(seqs) == 4
+        batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]))]
+    assert batch.draft_length.choose(seqs) == 4
     for seq in seqs:
-        batch.shadows[seq] = []  # the proposer found nothing where the requests stand
-    assert batch.choose_draft_len(seqs) == 0
+        batch.draft_length.shadows[seq] = []  # the proposer found nothing where the requests stand
+    assert batch.draft_length.choose(seqs) == 0
 
 
 def test_expected_tokens():
@@ -217,17 +218,17 @@ def test_draft_length_follows_the_evidence_of_the_draft_at_hand(loaded):
     where it has been wrong."""
     batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
     seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
-    while not all(seq in batch.shadows for seq in seqs):
+    while not all(seq in batch.draft_length.shadows for seq in seqs):
         batch.step()
     batch.costs.seconds = list(CPU_LIKE_COSTS)
     for seq in seqs:
         for _ in range(10):
-            batch.acceptance[seq].update(4, 4, evidence="sure")
-            batch.acceptance[seq].update(4, 0, evidence="unsure")
+            batch.draft_length.acceptance[seq].update(4, 4, evidence="sure")
+            batch.draft_length.acceptance[seq].update(4, 0, evidence="unsure")
     for evidence, want in (("sure", 4), ("unsure", 0)):
         for seq in seqs:
-            batch.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]), evidence)]
-        assert batch.choose_draft_len(seqs) == want, evidence
+            batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]), evidence)]
+        assert batch.draft_length.choose(seqs) == want, evidence
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_target"])
@@ -246,9 +247,9 @@ def test_offline_engine_with_adaptive_draft_length_equals_plain(loaded, method):
     assert adaptive._solo_batch.active == 1
     stream.close()
     assert adaptive._solo_batch.active == 0 and not adaptive._solo_batch.has_work()
-    assert adaptive._solo_batch.pooled_acceptance.by_evidence  # learnt from the requests so far
+    assert adaptive._solo_batch.draft_length.pooled.by_evidence  # learnt from the requests so far
     adaptive.forget_requests()
-    assert not adaptive._solo_batch.pooled_acceptance.by_evidence
+    assert not adaptive._solo_batch.draft_length.pooled.by_evidence
 
 
 # ---- the KV cache grows with use ------------------------------------------------------------------------------------

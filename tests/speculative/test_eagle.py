@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-import specserve.speculative.verify as verify_module
 from specserve.config import (ConfigError, DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine,
                               load_model_yaml)
 from specserve.engine.batch import BatchEngine
@@ -29,7 +28,7 @@ from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
 from tests.engine.test_batching import run_batched
-from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows, seeded_outputs
+from tests.speculative.test_sampling_lossless import break_the_verifier, exact_joint, follows, seeded_outputs
 
 PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 SMALL_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
@@ -386,7 +385,7 @@ def test_sampling_keeps_target_distribution(stories, method, lookup):
 
 
 def test_broken_sibling_resampling_is_caught(stories, monkeypatch):
-    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    break_the_verifier(monkeypatch)
     counts, expected = eagle_statistics(stories)
     assert not follows(counts, expected)
 

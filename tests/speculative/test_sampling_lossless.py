@@ -45,6 +45,12 @@ def broken_residual(p, q):
     return p  # resamples from p instead of norm(max(0, p - q)): biased towards the draft
 
 
+def break_the_verifier(monkeypatch) -> None:
+    """The control: after a rejection, resample from p itself, for sampled drafts (q) and deterministic ones."""
+    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    monkeypatch.setattr(verify_module, "without_token", lambda p, token: p)
+
+
 def chain_statistics(deterministic: bool, samples: int = 20000):
     """Verify drafts of a K=3 chain with prefix-independent target rows p_i and draft rows q_i (V=6)."""
     gen = torch.Generator().manual_seed(0)
@@ -75,7 +81,7 @@ def test_chain_verifier_keeps_target_distribution(deterministic):
 
 
 def test_broken_verifier_fails_the_same_test(monkeypatch):
-    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    break_the_verifier(monkeypatch)
     p, first, _ = chain_statistics(False)
     n = sum(first.values())
     assert total_variation(first, dict(enumerate(p[0].tolist())), n) > tv_bound(6, n)
@@ -145,7 +151,7 @@ def test_engine_sampling_keeps_target_distribution(loaded):
 
 
 def test_engine_with_broken_verifier_fails(loaded, monkeypatch):
-    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    break_the_verifier(monkeypatch)
     counts, expected = engine_statistics(loaded)
     assert not follows(counts, expected)
 

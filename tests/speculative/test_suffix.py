@@ -10,7 +10,6 @@ from collections import Counter
 
 import pytest
 
-import specserve.speculative.verify as verify_module
 from specserve.checks import ConfigError
 from specserve.config import SpeculativeConfig, load_model_yaml
 from specserve.config_vllm import load_model_json
@@ -20,7 +19,7 @@ from specserve.speculative.registry import BY_NAME
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.suffix import ResponseCache, SuffixMethod, SuffixTrie
 from tests.engine.test_batching import PROMPTS, run_batched
-from tests.speculative.test_sampling_lossless import broken_residual, exact_joint, follows, seeded_outputs
+from tests.speculative.test_sampling_lossless import break_the_verifier, exact_joint, follows, seeded_outputs
 
 
 def draft(proposer, context, max_len=8) -> list[int]:
@@ -283,7 +282,7 @@ def test_sampling_keeps_the_target_distribution(loaded):
 
 
 def test_sampling_with_a_broken_verifier_fails(loaded, monkeypatch):
-    monkeypatch.setattr(verify_module, "residual_distribution", broken_residual)
+    break_the_verifier(monkeypatch)
     counts, expected, _ = sample_with_suffix(loaded("llama"))
     assert not follows(counts, expected)
 
@@ -314,9 +313,9 @@ def test_batch_draft_length_honours_the_caps(loaded):
     batch = BatchEngine(engine, max_batch_size=4)
     capped = [batch.engine.new_sequence("Once upon a time", SamplingParams(num_speculative_tokens=cap))
               for cap in (1, 2)]
-    assert batch.choose_draft_len(capped) <= 2
+    assert batch.draft_length.choose(capped) <= 2
     uncapped = batch.engine.new_sequence("Once upon a time", SamplingParams())
-    assert batch.choose_draft_len(capped[:1]) <= 1
+    assert batch.draft_length.choose(capped[:1]) <= 1
     assert all(seq.draft_room(4) == 0 for seq in capped + [uncapped])  # not prefilled: no draft yet
     assert capped[0].draft_cap == 1 and uncapped.draft_cap == float("inf")
 
@@ -332,7 +331,7 @@ def test_bench_runs_the_prompts_through_one_method_and_reports_its_cache(loaded)
 
 
 def test_a_shadow_tree_is_scored_by_the_path_the_target_took():
-    from specserve.engine.batch import ShadowDraft
+    from specserve.engine.draft_length import ShadowDraft
     from specserve.speculative.tree import DraftTree
 
     class Seq:
