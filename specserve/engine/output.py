@@ -45,8 +45,9 @@ class IncrementalDetokenizer:
     does to a string's start (a stripped leading space) cancels out. The window settles once its text does not
     end in U+FFFD (an incomplete UTF-8 character) and its last id that the decode keeps (special ids are skipped)
     is not a byte token (SentencePiece's <0xNN> byte fallback decodes a run of byte tokens together, across a
-    skipped special id, and an invalid run turns every byte of it into U+FFFD, the ones before too). A tokenizer that cleans up spaces between tokens (`clean_up_tokenization_spaces`)
-    rewrites earlier text, so it is decoded whole."""
+    skipped special id, and an invalid run turns every byte of it into U+FFFD, the ones before too). A tokenizer
+    that cleans up spaces between tokens (`clean_up_tokenization_spaces`) rewrites earlier text, so it is decoded
+    whole."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

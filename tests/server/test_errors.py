@@ -97,6 +97,14 @@ def test_bad_infer_requests(server):
                                       b'"parameters":{"binary_data_size":100}}]}',
                          headers={"Inference-Header-Content-Length": "94"})
     assert r.status_code == 400
+    text_input = {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}
+    max_tokens = {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [2]}
+    for parameters in ({"binary_data_output": "maybe"}, {"binary_data_output": [1, 2]}):
+        r = server.http.post(url, json={"inputs": [text_input, max_tokens], "parameters": parameters})
+        assert r.status_code == 400 and "binary_data_output" in r.json()["error"]
+    outputs = [{"name": "text_output", "parameters": {"binary_data": "maybe"}}]
+    r = server.http.post(url, json={"inputs": [text_input, max_tokens], "outputs": outputs})
+    assert r.status_code == 400 and "binary_data" in r.json()["error"]
 
 
 BAD_OPENAI = [

@@ -139,12 +139,19 @@ def parse_common(body: dict, chat: bool) -> CommonFields:
         max_tokens=max_tokens, temperature=_get(body, "temperature", float, 1.0),
         top_p=_get(body, "top_p", float, 1.0), top_k=max(_get(body, "top_k", int, 0), 0),
         seed=_get(body, "seed", int), stop=_stop_list(body), stop_token_ids=_stop_token_ids(body),
-        ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_get(body, "min_tokens", int, 0),
-        stream=stream, include_usage=bool(options.get("include_usage", False)),
-        continuous_usage=bool(options.get("continuous_usage_stats", False)), n=_choices(body),
+        ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_min_tokens(body),
+        stream=stream, include_usage=_get(options, "include_usage", bool, False),
+        continuous_usage=_get(options, "continuous_usage_stats", bool, False), n=_choices(body),
         logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None,
         num_speculative_tokens=_draft_cap(body), suffix_cache=_get(body, "suffix_cache", bool, True),
         guide=openai_guide(body))
+
+
+def _min_tokens(body: dict) -> int:
+    count = _get(body, "min_tokens", int, 0)
+    if count < 0:
+        raise InputError(f"min_tokens must be >= 0, got {count}", param="min_tokens")
+    return count
 
 
 def _draft_cap(body: dict) -> int | None:
@@ -196,6 +203,7 @@ def _check_neutral(body: dict) -> None:
         raise InputError("'repetition_penalty' is not supported by specserve (only 1)", param="repetition_penalty")
     if body.get("logit_bias"):
         raise InputError("'logit_bias' is not supported by specserve", param="logit_bias")
+    _get(body, "user", str)  # OpenAI's end-user id: kept nowhere, but a string
 
 
 def _stream_options(body: dict, stream: bool) -> dict:

@@ -15,7 +15,7 @@ from specserve.server.repository import ServedModel
 from specserve.server.request import ServerContext
 from specserve.server.triton.binary import encode_element, output_value, parse_infer, tensor_parameters
 from specserve.server.triton.generate import cancel_by_id, complete
-from specserve.server.triton.protocol import (GenerateRequest, error_response, parse_generate, request_id,
+from specserve.server.triton.protocol import (GenerateRequest, as_bool, error_response, parse_generate, request_id,
                                               resolve_model)
 from specserve.server.triton.schema import OUTPUTS, Tensor
 
@@ -37,7 +37,7 @@ async def infer(request: Request) -> Response:
             return cancel_by_id(ctx, req)
         if req.stream:
             raise InputError("HTTP end point doesn't support streaming responses; use generate_stream")
-        binary_default = bool(parameters.get("binary_data_output", False))
+        binary_default = as_bool("binary_data_output", parameters.get("binary_data_output", False))
         wanted = requested_outputs(payload.get("outputs"), model, binary_default)
         outputs = await with_disconnect(request, complete(ctx, model, req))
     except Exception as exc:  # noqa: BLE001 - the server stays up
@@ -66,7 +66,7 @@ def requested_outputs(requested, model: ServedModel, binary_default: bool) -> di
         name = item.get("name") if isinstance(item, dict) else None
         if name not in declared:
             raise InputError(f"unexpected inference output '{name}' for model '{model.name}'")
-        wanted[name] = bool(tensor_parameters(item, "output").get("binary_data", binary_default))
+        wanted[name] = as_bool("binary_data", tensor_parameters(item, "output").get("binary_data", binary_default))
     return wanted
 
 

@@ -28,6 +28,18 @@ def test_fields_refused_name_their_param():
     assert info.value.param == "min_tokens"
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"user": 5}, "user"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),  # was read as true
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "continuous_usage_stats"),
+])
+def test_fields_of_a_wrong_type_or_range_name_their_param(body, param):
+    with pytest.raises(InputError) as info:
+        parse_common(body, chat=True)
+    assert info.value.param == param
+
+
 @pytest.mark.parametrize("exc,code,kind,param,message", [
     (QueueFullError("Exceeds maximum queue size"), 429, "RateLimitError", None, "The server is busy"),
     (RequestError("temperature must be >= 0, got -1"), 400, "BadRequestError", "temperature", "temperature"),
