@@ -82,7 +82,8 @@ def test_draft_length_defaults_by_method_and_policy(tmp_path):
     ("model: m\ntriton_config:\n  decoupled: \"false\"\n", "triton_config.decoupled"),
     ("model: m\nmax_model_len: 0\n", "max_model_len"),
     ("model: m\nmax_model_len: 4k\n", "max_model_len"),
-    ("model: m\nspeculative_config:\n  decoding_type: Eagle\n  max_draft_len: 4\n  depth: 5\n", "max_draft_len and depth"),
+    ("model: m\nspeculative_config:\n  decoding_type: Eagle\n  max_draft_len: 4\n  depth: 5\n",
+     "max_draft_len and depth"),
 ])
 def test_model_yaml_errors_name_the_key(tmp_path, text, needle):
     with pytest.raises(ConfigError, match=needle):

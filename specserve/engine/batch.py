@@ -251,6 +251,7 @@ class BatchEngine:
         base = self.costs(rows, rows)
         return lambda n: base / rows + self.costs(rows + n, rows + n) - base
 
+
 class StreamBatch:
     """The BatchEngine interface over anything with `stream(prompt_ids, params)`, one request at a time: for
     engines that wrap or replace `Engine.stream` (fault-injection and fake engines in tests, for instance)."""

@@ -202,11 +202,10 @@ class DraftLengthChoice:
 
     def choose(self, seqs: list[Sequence]) -> int:
         """The draft length (shared by the batch) with the most expected tokens per second (target time, plus a
-        draft model's time per drafted token). A request
-        with its own cap (`num_speculative_tokens`) drafts at most that many, and where drafting is free, at most
-        the draft it has now (its latest shadow draft): it counts so in the expected tokens. The forward pads every
-        row to the longest draft, so the cost is that of len(seqs) rows of k + 1 tokens, whoever drafts; only the
-        lm_head skips the padding."""
+        draft model's time per drafted token). A request with its own cap (`num_speculative_tokens`) drafts at most
+        that many, and where drafting is free, at most the draft it has now (its latest shadow draft): it counts so
+        in the expected tokens. The forward pads every row to the longest draft, so the cost is that of len(seqs)
+        rows of k + 1 tokens, whoever drafts; only the lm_head skips the padding."""
         caps = [seq.draft_cap for seq in seqs]
         top = min(self.engine.max_draft_len, max(caps, default=0))
         if not top or self.costs is None or self.engine.method.budgets_itself:

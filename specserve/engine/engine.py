@@ -25,13 +25,13 @@ from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
-from specserve.models.transformer import CausalLM
 from specserve.speculative.base import Proposal, SpecMethod
 from specserve.speculative.grammar import AfterForced, GrammarVocabulary, GuideError, TokenGrammar
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain, after_chain
 
 log = logging.getLogger("specserve.engine")
+
 
 class RequestError(ValueError):
     """A request the engine refuses (bad parameters, prompt too long): the caller's mistake, not a crash."""
@@ -77,7 +77,7 @@ class Engine:
         self.grammar_vocab = GrammarVocabulary(self.tokenizer, self.model.spec.vocab_size, self.eos_ids)
         # logits for the verified rows alone, not for those padded to the batch's longest draft (a sharded
         # model's ranks compute the padded form together)
-        self.ragged_logits = isinstance(self.model, CausalLM)
+        self.ragged_logits = self.model.ragged_logits
         if self.max_draft_len and not self.model.kernels_usable:
             log.warning("speculation verifies on PyTorch's kernels here (dtype %s, or not a CPU): their sums can "
                         "round differently with the number of tokens in a forward, so an output may leave plain "
@@ -265,12 +265,10 @@ class Engine:
                                   [seq.proposal.tree if seq else None for seq in seqs],
                                   [seq.prompt_to_score(int(cache.lengths[row])) if seq else 0
                                    for row, seq in enumerate(seqs)])
-        # a sharded model takes neither argument (see ragged_logits)
-        local = {"logits_counts": batch.wanted, "greedy": all(
-            seq is None or seq.greedy_only(int(cache.lengths[row])) for row, seq in enumerate(seqs))}
+        greedy = all(seq is None or seq.greedy_only(int(cache.lengths[row])) for row, seq in enumerate(seqs))
         out = self.model(batch.tokens, batch.positions, cache, batch.slots, tree_mask=batch.tree_mask,
                          logits_rows=batch.logits_rows, output_layers=self.hidden_layers,
-                         **(local if self.ragged_logits else {}))
+                         logits_counts=batch.wanted, greedy=greedy)
         events = []
         for row, seq in enumerate(seqs):
             try:
@@ -291,5 +289,3 @@ class Engine:
         cache.compact(row, base + torch.tensor([0] + nodes), base)
         cache.lengths[row] = base + 1 + len(nodes)
         return event
-
-

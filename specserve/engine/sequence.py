@@ -30,7 +30,6 @@ def reproducible(seq: Sequence) -> bool:
     return seq.params.seed is not None
 
 
-
 class Sequence:
     """One request's decoding state: committed tokens, the token not yet fed to the target, its proposer and
     draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""

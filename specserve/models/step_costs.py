@@ -132,4 +132,3 @@ def measured_step_costs(target: LoadedModel, rows: int = 1, lm_head: bool = Fals
             pass
     _MEASURED[memo] = costs
     return costs
-

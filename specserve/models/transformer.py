@@ -337,6 +337,10 @@ class Model(nn.Module):
 
 
 class CausalLM(nn.Module):
+    # the forward's logits_counts and greedy take effect: logits in the flat form, rows' padding skipped (a
+    # tensor-parallel model's ranks compute the padded form together)
+    ragged_logits = True
+
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
         super().__init__()
         torch.set_flush_denormal(True)  # tiny activations as denormals slow CPU matmuls down by ~50x

@@ -211,10 +211,14 @@ class TensorParallelModel:
         self.record(("new", cache.cache_id, args))
         return cache
 
+    ragged_logits = False  # logits_counts and greedy are ignored: the ranks compute the padded form together
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
                  tree_mask: torch.Tensor | None = None, output_layers: tuple[int, ...] = (),
-                 logits_rows: torch.Tensor | None = None) -> ForwardOutput:
-        """CausalLM.forward on every rank; the logits (and hidden states) are rank 0's."""
+                 logits_rows: torch.Tensor | None = None, logits_counts: list[int] | None = None,
+                 greedy: bool = False) -> ForwardOutput:
+        """CausalLM.forward on every rank; the logits (and hidden states) are rank 0's, for every logits row
+        (`ragged_logits`)."""
         self._check_forward(tokens, cache, slots)
         command = Forward(cache.ref, cache.root.lengths.clone(), tokens, positions, slots, tree_mask,
                           tuple(output_layers), logits_rows)

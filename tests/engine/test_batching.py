@@ -227,7 +227,8 @@ def test_draft_length_follows_the_evidence_of_the_draft_at_hand(loaded):
             batch.draft_length.acceptance[seq].update(4, 0, evidence="unsure")
     for evidence, want in (("sure", 4), ("unsure", 0)):
         for seq in seqs:
-            batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]), evidence)]
+            chain = Chain(seq.pending[0], [1, 2, 3, 4])
+            batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), chain, evidence)]
         assert batch.draft_length.choose(seqs) == want, evidence
 
 
