@@ -83,3 +83,24 @@ def test_gguf_blocks_keep_the_perplexity_of_the_dequantized_model(default_model)
     packed, reference = perplexity(default_model.model, ids), perplexity(dense.model, ids)
     assert reference < 20  # the text is easy for the model: a broken reference fails here
     assert packed < reference * 1.05, (packed, reference)
+
+
+def test_the_cached_tokenizer_lists_its_added_tokens_and_loads_as_the_gguf_s(default_model):
+    """The converted directory's tokenizer_config.json names the added tokens (transformers otherwise parses all of
+    tokenizer.json in Python to find them); loaded from it, the tokenizer is the GGUF's own."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from specserve.models.loader import embedded_default_gguf, gguf_to_hf_dir
+
+    directory = gguf_to_hf_dir(embedded_default_gguf())
+    listed = json.loads((directory / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    cached = default_model.tokenizer
+    assert len(listed) == len(cached.added_tokens_decoder) > 0
+    gguf = embedded_default_gguf()
+    original = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    for text in ("def fibonacci(n):\n    return n", "<start_of_turn>user\nhi <unused5> 😀<end_of_turn>\n"):
+        ids = original(text).input_ids
+        assert cached(text).input_ids == ids and cached.decode(ids) == original.decode(ids)
+    assert cached.all_special_ids == original.all_special_ids
