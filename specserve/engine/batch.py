@@ -27,8 +27,8 @@ from specserve.engine.draft_gate import DraftGate, GatePool
 from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.output import StreamEvent
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence, reproducible
-from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.models.kv_cache import KVCache
+from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.speculative.sampling import SamplingParams
 
 

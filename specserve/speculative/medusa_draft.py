@@ -18,8 +18,8 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError
-from specserve.models.step_costs import measured_step_costs
 from specserve.models.loader import LoadedModel
+from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import medusa_kernels
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
