@@ -10,6 +10,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.checks import ConfigError
+from specserve.models import cpu_kernels
 
 PREFIX = "SPECSERVE_"
 
@@ -19,7 +20,7 @@ class EnvironmentSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    SPECSERVE_KERNELS: Literal["auto", "off", "scalar", "avx2", "avx512", "amx"] = "auto"  # the compiled variant
+    SPECSERVE_KERNELS: Literal[cpu_kernels.MODES] = "auto"  # the compiled variant (cpu_kernels.ENV)
     SPECSERVE_QUANT_ISA: Literal["auto", "avx512", "avx2", "scalar"] = "auto"  # the quantized linears' path
     SPECSERVE_LAYER_LOOP: Literal["cpp", "python"] = "cpp"  # python: the reference layer loop
     SPECSERVE_GREEDY_SCREEN: Literal["0", "1"] = "1"  # 0: greedy forwards compute the full logits

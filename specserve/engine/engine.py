@@ -25,6 +25,7 @@ from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
+from specserve.models.step_costs import measured_step_costs
 from specserve.speculative.base import Proposal, SpecMethod
 from specserve.speculative.grammar import AfterForced, GrammarVocabulary, GuideError, TokenGrammar
 from specserve.speculative.sampling import SamplingParams
@@ -158,8 +159,6 @@ class Engine:
         measured step costs, the request's acceptance per evidence, learnt from the requests before it too), as
         the server does; without it every step drafts max_draft_len (or the request's own cap). The same tokens
         either way: only the speed differs."""
-        from specserve.models.step_costs import measured_step_costs
-
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self._solo_batch is None:
             costs = measured_step_costs(self.target) if self.adaptive_draft_len else None

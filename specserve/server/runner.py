@@ -106,12 +106,12 @@ class RequestHandle:
     and `timing`. Consuming it reports the outcome to its observer."""
 
     def __init__(self, runner: Runner, request_id: int, prompt_ids: list[int], params: SamplingParams,
-                 loop: asyncio.AbstractEventLoop, observer: RequestObserver):
+                 loop: asyncio.AbstractEventLoop, observer: RequestObserver, checked=None):
         self.runner = runner
         self.id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
-        self.checked = None  # the engine's check_request verdict (its compiled grammar), for batch.add
+        self.checked = checked  # the engine's check_request verdict (its compiled grammar), for batch.add
         self.observer = observer
         self.timing = RequestTiming(submitted=time.perf_counter(), arrival_ns=time.time_ns())
         self.state = "queued"  # queued | running | finished | failed | cancelled
@@ -244,8 +244,7 @@ class Runner:
 
     def _enqueue(self, prompt_ids: list[int], params: SamplingParams, observer: RequestObserver,
                  checked=None) -> RequestHandle:
-        handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer)
-        handle.checked = checked
+        handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer, checked)
         with self._cv:
             if self._closing:
                 raise RunnerClosedError(f"model '{self.name}' is not accepting requests (unloading)")
