@@ -270,8 +270,9 @@ def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
     buffer = torch.ones(megabytes * 2**20, dtype=torch.uint8)  # far larger than the caches
     memory_read_seconds(buffer, repeats=1)  # first touch: page faults, not reads
     pairs = []
+    plain_step = StepCosts.forward_run(model, 1, 1)
     for _ in range(rounds):
-        step = StepCosts.forward_seconds(model, 1, 1)
+        step = StepCosts.least_disturbed([plain_step])[0]
         gbs = buffer.numel() / memory_read_seconds(buffer) / 1e9
         pairs.append((step * 1e3 / (weight_bytes / gbs / 1e6), step * 1e3, gbs))
     ratio, step_ms, bandwidth = sorted(pairs)[len(pairs) // 2]

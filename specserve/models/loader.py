@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class ModelSource:
     directory: Path  # an HF checkpoint directory (converted from a GGUF or llama2.c file if need be)
     gguf: Path | None = None  # the GGUF file it came from
     embedded_default: bool = False  # the packaged default model (not a user's file that shares its name)
+    tokenizer: object | None = None  # made from the GGUF by this very load (a first start): not read back
 
 
 @dataclass
@@ -147,30 +149,54 @@ def gguf_to_hf_dir(gguf_path: Path) -> Path:
     """A GGUF file's config, tokenizer and unpacked tensors (norms, biases, linears stored in F16/F32) in a cached
     HF-style directory. The quantized linears and embedding are not in it: they run packed from the GGUF
     (gguf_packed_weights), or are dequantized in memory when asked (dense_weights)."""
+    return converted_gguf(gguf_path)[0]
+
+
+def gguf_source(name: str, gguf_path: Path, embedded_default: bool = False) -> ModelSource:
+    directory, tokenizer = converted_gguf(gguf_path)
+    return ModelSource(name, directory, gguf_path, embedded_default, tokenizer)
+
+
+def converted_gguf(gguf_path: Path) -> tuple[Path, object | None]:
+    """(gguf_to_hf_dir's directory, the tokenizer if it was made from the file just now: reading a large
+    vocabulary back from the directory costs seconds)."""
     out = converted_dir("gguf", gguf_path)
     if (out / "model.safetensors").exists():
-        return out
+        return out, None
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    print(f"specserve: reading {gguf_path.name}'s config, tokenizer and norms once (into {out}) ...",
-          file=sys.stderr, flush=True)
+    print(f"specserve: reading {gguf_path.name}'s config, tokenizer and norms, and packing its blocks, once (into "
+          f"{out}) ...", file=sys.stderr, flush=True)
+    staging = out.with_name(out.name + ".partial")
+    staging.mkdir(parents=True, exist_ok=True)
     try:
-        with gguf_file.shared_readers():
+        with gguf_file.shared_readers(transformers=True), ThreadPoolExecutor(1) as pool:
             config = gguf_config(gguf_path)
+            # the blocks' packing (numpy, mostly off the GIL) beside the tokenizer's conversion (Python)
+            packing = pool.submit(_cache_packed, gguf_file.read(gguf_path), gguf_path.name, config,
+                                  staging / PACKED_FILE)
             tensors = unpacked_gguf_tensors(gguf_path, config)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            packing.result()
     except ModelLoadError:
         raise
     except Exception as exc:
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
-    staging = out.with_name(out.name + ".partial")
-    staging.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(staging)
     save_tokenizer(tokenizer, staging)
     save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
     staging.rename(out)
-    return out
+    return out, tokenizer
+
+
+def _cache_packed(reader, name: str, hf_config, path: Path) -> None:
+    """The GGUF's packed blocks saved to `path`; a block the kernels cannot run leaves none (the load that needs
+    them stops on it then, with the tensor's name: a dense load does not)."""
+    try:
+        quant.save_packed(_pack_gguf(reader, name, hf_config), path)
+    except (ModelLoadError, QuantizationError):
+        pass
 
 
 def save_tokenizer(tokenizer, directory: Path) -> None:
@@ -189,16 +215,16 @@ def unpacked_gguf_tensors(gguf_path: Path, config) -> dict[str, torch.Tensor]:
     converted as transformers' GGUF loader does (its weights map and its family's tensor processor: Gemma's norm
     offset, Llama's q/k row order); the packed ones are never dequantized."""
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    parsed = {"config": load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"], "tensors": {}}
+    with gguf_file.shared_readers(transformers=True):
+        parsed = {"config": hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"],
+                  "tensors": {}}
     reader = gguf_file.read(gguf_path)
     architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    with torch.device("meta"):
-        names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config), processor)
+    with torch.device("meta"):  # specserve's model has transformers' parameter names (its modeling import: ~2.5 s)
+        names = get_gguf_hf_weights_map(CausalLM(config), processor, config.model_type, config.num_hidden_layers)
     out = {}
     for tensor in reader.tensors:
         if _packable(tensor):
@@ -246,9 +272,9 @@ def export_hf_checkpoint(name: str, out: Path, dtype: torch.dtype = torch.float3
 def gguf_config(gguf_path: Path):
     """The transformers config that a GGUF file's metadata describes."""
     from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    config_dict = dict(load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
+    with gguf_file.shared_readers(transformers=True):
+        config_dict = dict(hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
     config_dict.pop("quantization_config", None)
     return AutoConfig.for_model(**config_dict)
 
@@ -256,11 +282,19 @@ def gguf_config(gguf_path: Path):
 def dequantized_gguf(gguf_path: Path, config) -> dict[str, torch.Tensor]:
     """Every tensor of a GGUF file as fp32 under its HF name (transformers' GGUF reader)."""
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    with gguf_file.shared_readers(transformers=True):
+        return hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def hf_gguf():
+    """transformers' GGUF module: its functions looked up at call time, so that a shared_readers block's
+    replacements apply (a name imported from it before the block would keep the original)."""
+    import transformers.modeling_gguf_pytorch_utils as module
+
+    return module
 
 
 def too_large_to_dequantize(gguf_path: Path) -> bool:
@@ -405,25 +439,45 @@ def _llama_row_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
+PACKED_FILE = "specserve-packed.st"  # not *.safetensors: the dense reader globs those
+
+
 def gguf_packed_weights(gguf_path: Path, hf_config, cache_dir: Path) -> dict[str, PackedWeight]:
-    """The GGUF's quantized linears and embedding, packed for the kernel, by HF parameter name; packed once and
-    kept in `cache_dir` (the GGUF's converted directory)."""
-    cached = cache_dir / "specserve-packed.st"  # not *.safetensors: the dense reader globs those
+    """The GGUF's quantized linears and embedding, packed for the kernel, by HF parameter name; packed once
+    (usually with the GGUF's conversion, converted_gguf) and mapped from `cache_dir` (its converted directory)."""
+    cached = cache_dir / PACKED_FILE
     if cached.exists():
         packed = quant.load_packed(cached)
         if packed is not None:
             return packed
-    packed = _pack_gguf(gguf_path, hf_config)
+    packed = _pack_gguf(gguf_file.read(gguf_path), gguf_path.name, hf_config)
     try:
         quant.save_packed(packed, cached)
     except OSError as exc:  # a read-only cache only costs the next start the packing again
         print(f"specserve: could not cache packed weights in {cached}: {exc}", file=sys.stderr)
-    return packed
+        return packed
+    return quant.load_packed(cached) or packed  # mapped from the file: the memory they were packed in is freed
 
 
-def _pack_gguf(gguf_path: Path, hf_config) -> dict[str, PackedWeight]:
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def fuse_projection_groups(packed: dict[str, PackedWeight]) -> None:
+    """Concatenate each layer's q/k/v and gate/up as the model's fuse_projections does (the parts become views of
+    the fused weights), so that the cache holds the layout the kernels run and a load maps it without a copy."""
+    for name in packed:
+        if name.endswith(".self_attn.q_proj.weight"):
+            layer = name.removesuffix("self_attn.q_proj.weight")
+            for group in FUSED_GROUPS:
+                parts = [f"{layer}{part}.weight" for part in group]
+                if all(part in packed for part in parts):
+                    PackedWeight.fuse_runs([packed[part] for part in parts])
+
+
+def _pack_gguf(reader, name: str, hf_config) -> dict[str, PackedWeight]:
+    """The quantized tensors of a GGUF file (`reader`, `name`) in the kernel's layout, q/k/v and gate/up fused."""
     packed = {}
-    for tensor in gguf_file.read(gguf_path).tensors:
+    for tensor in reader.tensors:
         if not _packable(tensor):
             continue
         kind, hf_name = tensor.tensor_type.name, gguf_hf_name(tensor.name)
@@ -435,8 +489,9 @@ def _pack_gguf(gguf_path: Path, hf_config) -> dict[str, PackedWeight]:
         try:
             codes = quant.decode_gguf(kind, raw, (out_features, in_features))
         except QuantizationError as exc:
-            raise ModelLoadError(f"{gguf_path.name}: {tensor.name}: {exc}") from None
+            raise ModelLoadError(f"{name}: {tensor.name}: {exc}") from None
         packed[hf_name] = PackedWeight.from_codes(codes)
+    fuse_projection_groups(packed)
     return packed
 
 
@@ -458,17 +513,17 @@ def resolve_model_source(name: str | None) -> ModelSource:
     """A model name (the embedded default), a checkpoint directory, a GGUF file or a llama2.c checkpoint."""
     if name in (None, "", DEFAULT_MODEL):
         gguf = embedded_default_gguf()
-        return ModelSource(DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf, embedded_default=True)
+        return gguf_source(DEFAULT_MODEL, gguf, embedded_default=True)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(path.stem, gguf_to_hf_dir(path), path)
+        return gguf_source(path.stem, path)
     if path.is_file() and llama2c.looks_like_llama2c(path):
         return ModelSource(path.stem, llama2c_to_hf_dir(path))
     if path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
-                return ModelSource(path.name, gguf_to_hf_dir(ggufs[0]), ggufs[0])
+                return gguf_source(path.name, ggufs[0])
             raise ModelLoadError(f"{path} is not a model directory: no config.json (and not one .gguf file)")
         return ModelSource(path.name, path)
     if path.exists():
@@ -529,7 +584,7 @@ def _load_model(name: str | None, dtype: str | torch.dtype | None, device: str,
     except QuantizationError as exc:
         raise ModelLoadError(str(exc)) from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source.directory))
+        tokenizer = source.tokenizer or AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
     chat = resolve_chat_format(tokenizer, source.gguf, source.embedded_default, source.directory)

@@ -25,6 +25,7 @@ result does not depend on the other rows.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -200,6 +201,9 @@ class PackedWeight:
     kind: str
     unit: float = 1.0  # a power of two: the scales' and offsets' true values are unit * the stored ones
     _args: tuple | None = field(default=None, init=False, repr=False, compare=False)  # see `args`
+    # set on the parts of a `concat`: (the fused weight, this part's first tile in it); its tensors are views of
+    # the fused weight's, so concatenating the same parts again gives that weight back instead of a copy
+    fused_into: tuple["PackedWeight", int] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_codes(cls, codes: Codes) -> "PackedWeight":
@@ -238,6 +242,12 @@ class PackedWeight:
         if not PackedWeight.fusable(parts):
             return None
         first = parts[0]
+        if first.fused_into is not None:
+            whole = first.fused_into[0]
+            starts = [p.fused_into[1] if p.fused_into and p.fused_into[0] is whole else -1 for p in parts]
+            if starts == list(itertools.accumulate([0] + [p.out_features // TILE for p in parts[:-1]])) and \
+                    sum(p.out_features for p in parts) == whole.out_features:
+                return whole
         unit = max(p.unit for p in parts)  # the parts' scales re-expressed in the largest unit (exact while normal)
 
         def cat(name: str) -> torch.Tensor | None:
@@ -251,14 +261,31 @@ class PackedWeight:
                              first.zero, first.kind, unit)
         start = 0
         for part in parts:  # the parts become views of the fused tensors: memory is not doubled
-            tiles = part.out_features // TILE
-            for name in _TENSOR_FIELDS:
-                if getattr(fused, name) is not None:
-                    setattr(part, name, getattr(fused, name)[start:start + tiles])
-            part.unit = unit
-            part._args = None  # its tensors changed
-            start += tiles
+            part.view_of(fused, start)
+            start += part.out_features // TILE
         return fused
+
+    def view_of(self, fused: "PackedWeight", start: int) -> None:
+        """Make this weight's tensors views of `fused`'s tiles from `start` (the values the same: a concat's part)."""
+        tiles = -(-self.out_features // TILE)
+        for name in _TENSOR_FIELDS:
+            if getattr(fused, name) is not None:
+                setattr(self, name, getattr(fused, name)[start:start + tiles])
+        self.unit = fused.unit
+        self._args = None  # its tensors changed
+        self.fused_into = (fused, start)
+
+    @staticmethod
+    def fuse_runs(parts: list["PackedWeight"]) -> list["PackedWeight"]:
+        """Weights over the same input as few weights as `concat` allows: each run of consecutive fusable parts
+        as one (a GGUF mixes formats, e.g. Q5_0 q/k with a Q8_0 v: [q+k, v])."""
+        runs: list[list[PackedWeight]] = []
+        for part in parts:
+            if runs and PackedWeight.fusable([runs[-1][0], part]):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        return [PackedWeight.concat(run) if len(run) > 1 else run[0] for run in runs]
 
     def output_slice(self, start: int, end: int, copy: bool = True) -> "PackedWeight":
         """Outputs [start, end) as a weight of their own (tensor parallelism's column split, the lm_head's vocabulary
@@ -353,26 +380,35 @@ def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return qs, planes
 
 
-PACK_VERSION = 3  # bump when the packed layout changes: cached files of another version are ignored
+PACK_VERSION = 4  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind", "unit")
 
 
 def save_packed(weights: dict[str, PackedWeight], path) -> None:
-    """Packed weights to one safetensors file (written aside, then renamed: a killed write leaves no file)."""
+    """Packed weights to one safetensors file (written aside, then renamed: a killed write leaves no file). The
+    parts of a fused weight (`concat`) are stored once, as that weight, and read back as views of it."""
     import json
 
     from safetensors.torch import save_file
 
-    tensors, meta = {}, {}
+    tensors, meta, fused = {}, {}, {}
     for name, w in weights.items():
-        tensors.update({f"{name}.{f}": getattr(w, f) for f in _TENSOR_FIELDS if getattr(w, f) is not None})
         meta[name] = {f: getattr(w, f) for f in _META_FIELDS}
-    metadata = {"specserve_packed": json.dumps(meta), "version": str(PACK_VERSION)}
+        stored, prefix = w, name
+        if w.fused_into is not None:
+            whole, start = w.fused_into
+            prefix = fused.setdefault(id(whole), (f"{name}#fused", whole))[0]
+            meta[name].update(fused=prefix, start_tile=start)
+            stored = whole
+        tensors.update({f"{prefix}.{f}": getattr(stored, f) for f in _TENSOR_FIELDS if getattr(stored, f) is not None})
+    wholes = {prefix: {f: getattr(whole, f) for f in _META_FIELDS} for prefix, whole in fused.values()}
+    metadata = {"specserve_packed": json.dumps(meta), "specserve_fused": json.dumps(wholes),
+                "version": str(PACK_VERSION)}
     write_atomically(path, lambda partial: save_file(tensors, str(partial), metadata=metadata))
 
 
 def load_packed(path) -> dict[str, PackedWeight] | None:
-    """What save_packed wrote, or None if the file is of another layout version."""
+    """What save_packed wrote (memory-mapped), or None if the file is of another layout version."""
     import json
 
     from safetensors import safe_open
@@ -382,9 +418,21 @@ def load_packed(path) -> dict[str, PackedWeight] | None:
         if header.get("version") != str(PACK_VERSION):
             return None
         names = set(reader.keys())
-        tensor = lambda key: reader.get_tensor(key) if key in names else None
-        return {name: PackedWeight(*(tensor(f"{name}.{f}") for f in _TENSOR_FIELDS), **fields)
-                for name, fields in json.loads(header["specserve_packed"]).items()}
+
+        def stored(prefix: str, fields: dict) -> PackedWeight:
+            tensor = lambda key: reader.get_tensor(key) if key in names else None
+            return PackedWeight(*(tensor(f"{prefix}.{f}") for f in _TENSOR_FIELDS), **fields)
+
+        wholes = {prefix: stored(prefix, fields) for prefix, fields in json.loads(header["specserve_fused"]).items()}
+        weights = {}
+        for name, fields in json.loads(header["specserve_packed"]).items():
+            prefix, start = fields.pop("fused", None), fields.pop("start_tile", 0)
+            if prefix is None:
+                weights[name] = stored(name, fields)
+            else:
+                weights[name] = PackedWeight(*wholes[prefix].tensors, **fields)
+                weights[name].view_of(wholes[prefix], start)
+        return weights
 
 
 def kernel_args(weights: list[PackedWeight]) -> tuple[list, ...]:
@@ -468,14 +516,7 @@ class FusedQuantLinear(nn.Module):
 
     def __init__(self, layers: list[QuantLinear]):
         super().__init__()
-        self.weights: list[PackedWeight] = []
-        run: list[PackedWeight] = []
-        for packed in [layer.packed for layer in layers] + [None]:
-            if run and (packed is None or not PackedWeight.fusable([run[0], packed])):
-                self.weights.append(PackedWeight.concat(run) if len(run) > 1 else run[0])
-                run = []
-            if packed is not None:
-                run.append(packed)
+        self.weights = PackedWeight.fuse_runs([layer.packed for layer in layers])
         biases = [layer.bias for layer in layers]
         self.bias = None if biases[0] is None else torch.cat(biases)
         self.out_features = sum(layer.out_features for layer in layers)

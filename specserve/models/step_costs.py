@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,12 +34,9 @@ class StepCosts:
         if seconds is not None:  # measured earlier (a cached table)
             self.seconds = list(seconds)
             return
-        # rounds over all sizes, least disturbed reading per size: a burst of load hits one round, not one size
-        rounds = [[self.forward_seconds(model, s, rows) for s in self.sizes] for _ in range(3)]
-        self.seconds = self._monotone([min(readings) for readings in zip(*rounds)])
+        self.seconds = self._monotone(self.least_disturbed([self.forward_run(model, s, rows) for s in self.sizes]))
         if lm_head:
-            rounds = [[self._measure_head(model, s) for s in self.sizes] for _ in range(3)]
-            head = self._monotone([min(readings) for readings in zip(*rounds)])
+            head = self._monotone(self.least_disturbed([self.head_run(model, s) for s in self.sizes]))
             self.head = [min(h, total) for h, total in zip(head, self.seconds)]
 
     @staticmethod
@@ -49,30 +47,36 @@ class StepCosts:
         return [min(measured[i:]) for i in range(len(measured))]
 
     @staticmethod
-    def forward_seconds(model, total: int, rows: int) -> float:
-        """The least disturbed of a few forwards of `total` new tokens over up to `rows` rows."""
+    def forward_run(model, total: int, rows: int) -> Callable[[], object]:
+        """A forward of `total` new tokens over up to `rows` rows, run once (the warm-up) and returned to be timed."""
         batch = min(rows, total)
         width = -(-total // batch)
         cache = KVCache.for_model(model, batch, width + 1)
         positions = torch.arange(width)[None].expand(batch, width)
         tokens = torch.zeros(batch, width, dtype=torch.long)
-        model(tokens, positions, cache, positions)
-        return StepCosts._least_disturbed(lambda: model(tokens, positions, cache, positions))
+        run = lambda: model(tokens, positions, cache, positions)
+        run()
+        return run
 
     @staticmethod
-    def _measure_head(model, rows: int) -> float:
+    def head_run(model, rows: int) -> Callable[[], object]:
+        """The lm_head over `rows` rows, run once and returned to be timed."""
         hidden = torch.zeros(rows, model.spec.hidden_size, dtype=model.dtype)
-        model.logits(hidden, model.kernels_usable)
-        return StepCosts._least_disturbed(lambda: model.logits(hidden, model.kernels_usable))
+        run = lambda: model.logits(hidden, model.kernels_usable)
+        run()
+        return run
 
     @staticmethod
-    def _least_disturbed(run) -> float:
-        timings = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            timings.append(time.perf_counter() - start)
-        return min(timings)
+    def least_disturbed(runs: list[Callable[[], object]], rounds: int = 3) -> list[float]:
+        """Each run's least disturbed time over `rounds` rounds through all of them: a burst of load hits one
+        round, not every reading of one size."""
+        timings = [[] for _ in runs]
+        for _ in range(rounds):
+            for run, times in zip(runs, timings):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+        return [min(times) for times in timings]
 
     def __call__(self, total: int, with_logits: int | None = None) -> float:
         """A forward of `total` tokens, of which `with_logits` (default: all) get logits."""
@@ -105,7 +109,7 @@ def code_version() -> str:
 def measured_step_costs(target: LoadedModel, rows: int = 1, lm_head: bool = False) -> StepCosts:
     """StepCosts over up to `rows` rows (with the lm_head's share when `lm_head`): measured once per model, rows,
     dtype, machine and code version, and kept in the cache directory (a 64-token forward of a 1.5B model is most of
-    a second, and the table times each size 12 times)."""
+    a second, and the table runs each size 4 times)."""
     memo = (id(target.model), rows, lm_head)
     if memo in _MEASURED:
         return _MEASURED[memo]

@@ -11,7 +11,6 @@ rank's vocabulary slice (`lm_head_shard`) whose logits `gather_vocab` joins on r
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 import os
@@ -168,30 +167,42 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")  # their frequencies depend on the longest position
+
+
 class RopeTables:
-    """cos/sin tables per layer type, computed by transformers' own rotary module of the family (so every
-    rope_scaling variant it knows is right), cached per position and grown on demand."""
+    """cos/sin tables per layer type, cached per position and grown on demand. The frequencies are those of
+    transformers' rotary modules: the families' default 1 / theta^(2i/d), or its rope-scaling functions
+    (ROPE_INIT_FUNCTIONS; "dynamic" and "longrope" evaluated at the table's length, as its dynamic_rope_update
+    does). Computed here rather than by the family's module, whose import costs ~2.5 s of every start."""
 
     def __init__(self, hf_config, dtype: torch.dtype):
-        module_name = "gemma3" if hf_config.model_type == "gemma3_text" else hf_config.model_type
-        modeling = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-        rotary_cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding"))
-        with torch.device("cpu"):  # real tables even when the model itself is built on the meta device
-            self.rotary = rotary_cls(hf_config)
+        self.config = hf_config
         self.per_layer_type = hf_config.model_type == "gemma3_text"
         self.dtype = dtype
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.size = 0
 
+    def frequencies(self, layer_type: str | None, size: int) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies [head_dim / 2], attention scaling) of a layer type for positions below `size`."""
+        config = self.config
+        params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        seq_len = size if rope_type in SEQUENCE_DEPENDENT_ROPE else None
+        return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=seq_len, layer_type=layer_type)
+
     def _build(self, size: int) -> None:
-        probe = torch.zeros(1, dtype=self.dtype, device="cpu")
-        positions = torch.arange(size, device="cpu")[None]
+        positions = torch.arange(size, device="cpu", dtype=torch.float)
         for layer_type in ("full_attention", "sliding_attention"):
-            if self.per_layer_type:
-                cos, sin = self.rotary(probe, positions, layer_type)
-            else:
-                cos, sin = self.rotary(probe, positions)
-            self.tables[layer_type] = (cos[0], sin[0])
+            inv_freq, scaling = self.frequencies(layer_type if self.per_layer_type else None, size)
+            freqs = positions[:, None] * inv_freq.to(device="cpu", dtype=torch.float)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            self.tables[layer_type] = ((angles.cos() * scaling).to(self.dtype), (angles.sin() * scaling).to(self.dtype))
         self.size = size
 
     def lookup(self, positions: torch.Tensor, layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +342,9 @@ class Model(nn.Module):
 
     def __init__(self, spec: ArchSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # a given weight skips the random init, whose normal_ on the meta device imports torch._dynamo (~2.5 s)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma)
 

@@ -80,11 +80,15 @@ def test_a_gguf_header_is_read_once_per_load_and_equals_ggufs_own_reader(tmp_pat
         [(t.name, t.tensor_type, t.shape.tolist()) for t in reference.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, reference.tensors))
 
-    made = []
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    made, parsed = [], []
     monkeypatch.setattr(gguf_file, "FastGGUFReader", lambda *args: made.append(args) or GGUFReader(*args))
+    parse = hf_gguf.load_gguf_checkpoint
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda *a, **k: parsed.append(a) or parse(*a, **k))
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
-    loader.load_model(str(path))  # config, tokenizer, norms, packing, chat template: one read
-    assert len(made) == 1
+    loader.load_model(str(path))  # config, tokenizer, norms, packing, chat template: one read, one parse
+    assert len(made) == 1 and len(parsed) == 1
     import gguf
 
     assert gguf.GGUFReader is GGUFReader  # what the block patched is back

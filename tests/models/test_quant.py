@@ -240,6 +240,29 @@ def test_packed_weights_cache_round_trip(tmp_path):
         assert torch.equal(back[name].matmul(x, out_fp32=True), w.matmul(x, out_fp32=True))
 
 
+def test_fused_parts_are_cached_once_and_map_back_as_views_of_one_weight(tmp_path):
+    """q/k/v fused before the cache is written (Q4_K, Q4_K, Q6_K: the first two fuse, the third rides alone) are
+    stored once and come back as views of the fused weight, which FusedQuantLinear then uses without a copy."""
+    x = torch.randn(3, 512)
+    parts = {f"{n}.weight": packed_weight(kind, rows=64, seed=i)[0]
+             for i, (n, kind) in enumerate([("q", "Q4_K"), ("k", "Q4_K"), ("v", "Q6_K")])}
+    expected = {name: w.matmul(x, out_fp32=True) for name, w in parts.items()}
+    quant.PackedWeight.fuse_runs(list(parts.values()))
+    quant.save_packed(parts, tmp_path / "w.st")
+    back = quant.load_packed(tmp_path / "w.st")
+    q, k, v = back.values()
+    assert q.fused_into is not None and q.fused_into[0] is k.fused_into[0] and v.fused_into is None
+    assert q.qs.untyped_storage().data_ptr() == k.qs.untyped_storage().data_ptr()
+    for name, w in back.items():
+        assert torch.equal(w.matmul(x, out_fp32=True), expected[name])
+    fused = quant.FusedQuantLinear([quant.QuantLinear(w, None) for w in back.values()])
+    assert fused.weights[0] is q.fused_into[0] and len(fused.weights) == 2
+    assert torch.equal(fused(x.bfloat16()), torch.cat([w.matmul(x.bfloat16()) for w in parts.values()], -1))
+    # the control: parts fused in another order are a new weight, not the stored one
+    stored = q.fused_into[0]
+    assert quant.PackedWeight.concat([k, q]) is not stored
+
+
 def test_llama_row_order_undoes_llama_cpp_permutation():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 

@@ -33,6 +33,6 @@ def test_the_servers_table_of_many_rows_is_kept_with_its_lm_head_share(loaded, t
     one_row = step_costs.measured_step_costs(target)
     assert one_row is not measured and one_row.head is None  # another table: another key
     monkeypatch.setattr(step_costs, "_MEASURED", {})
-    monkeypatch.setattr(step_costs.StepCosts, "forward_seconds", staticmethod(lambda *a: 1 / 0))  # no measuring
+    monkeypatch.setattr(step_costs.StepCosts, "forward_run", staticmethod(lambda *a: 1 / 0))  # no measuring
     again = step_costs.measured_step_costs(target, rows=4, lm_head=True)
     assert again.seconds == measured.seconds and again.head == measured.head
