@@ -1,39 +1,31 @@
-"""Finding and loading models: the embedded default, HF checkpoint directories and GGUF files.
+"""Finding and loading models: the embedded default, HF checkpoint directories, GGUF files and llama2.c checkpoints.
 
-A GGUF file runs from the file itself. Its config, tokenizer and the few tensors that do not run packed (norms,
-biases) are read once into a small directory under the cache (`~/.cache/specserve`, or $SPECSERVE_CACHE), and its
-quantized linears and embedding are repacked into the kernel's layout once and cached beside them
-(`quantization: gguf`, the default; models/quant.py): the cache holds about the file's size, and nothing is ever
-widened to fp32 on disk. `quantization: none` (or int8 / int4) dequantizes the GGUF in memory at load instead;
-`specserve convert` writes a full HF checkpoint directory when one is wanted.
+A GGUF file runs from the file itself: converted once into the cache (models/gguf_convert.py: its config,
+tokenizer and norms, and its quantized linears and embedding repacked into the kernel's layout, about the file's
+size, nothing widened to fp32 on disk), then mapped from there (`quantization: gguf`, the default).
+`quantization: none` (or int8 / int4) dequantizes the GGUF in memory at load instead; `specserve convert` writes a
+full HF checkpoint directory when one is wanted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specserve.files import write_text_atomically
 from specserve.models import cpu_kernels, gguf_file, llama2c, quant
 from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
+from specserve.models.gguf_convert import converted_gguf, dequantized_gguf, gguf_packed_weights
+from specserve.models.model_files import ModelLoadError, cache_root, converted_dir, strip_prefixes
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
 
 DEFAULT_MODEL = "gemma-3-270m"
-
-
-class ModelLoadError(ValueError):
-    """The model can't be found or read: a user error with a message that names the problem."""
 
 
 @dataclass
@@ -60,12 +52,6 @@ class LoadedModel:
     def dense_weights(self) -> dict[str, torch.Tensor]:
         """Every weight as dense values (a GGUF's dequantized in memory), e.g. to start a draft model from."""
         return dense_weights(self.path, self.gguf)
-
-
-def cache_root() -> Path:
-    root = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def _matmul_seconds(dtype: torch.dtype) -> float:
@@ -117,17 +103,6 @@ def embedded_default_gguf() -> Path:
     return package.assemble()
 
 
-CONVERTED_LAYOUT = 3  # what a converted directory holds; a new value converts every file again
-
-
-def converted_dir(kind: str, source: Path) -> Path:
-    """Where the HF directory converted from `source` is cached (keyed by its path, size, mtime and layout)."""
-    stat = source.stat()
-    key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTED_LAYOUT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_root() / kind / f"{source.stem}-{digest}"
-
-
 def llama2c_to_hf_dir(path: Path) -> Path:
     """A llama2.c checkpoint with its SentencePiece tokenizer (a .model file beside it) -> cached HF directory."""
     out = converted_dir("llama2c", path)
@@ -145,100 +120,9 @@ def llama2c_to_hf_dir(path: Path) -> Path:
 DENSE_RAM_SHARE = 0.4  # a GGUF whose fp32 weights would take more of the RAM runs on its own blocks only
 
 
-def gguf_to_hf_dir(gguf_path: Path) -> Path:
-    """A GGUF file's config, tokenizer and unpacked tensors (norms, biases, linears stored in F16/F32) in a cached
-    HF-style directory. The quantized linears and embedding are not in it: they run packed from the GGUF
-    (gguf_packed_weights), or are dequantized in memory when asked (dense_weights)."""
-    return converted_gguf(gguf_path)[0]
-
-
 def gguf_source(name: str, gguf_path: Path, embedded_default: bool = False) -> ModelSource:
     directory, tokenizer = converted_gguf(gguf_path)
     return ModelSource(name, directory, gguf_path, embedded_default, tokenizer)
-
-
-def converted_gguf(gguf_path: Path) -> tuple[Path, object | None]:
-    """(gguf_to_hf_dir's directory, the tokenizer if it was made from the file just now: reading a large
-    vocabulary back from the directory costs seconds)."""
-    out = converted_dir("gguf", gguf_path)
-    if (out / "model.safetensors").exists():
-        return out, None
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    print(f"specserve: reading {gguf_path.name}'s config, tokenizer and norms, and packing its blocks, once (into "
-          f"{out}) ...", file=sys.stderr, flush=True)
-    staging = out.with_name(out.name + ".partial")
-    staging.mkdir(parents=True, exist_ok=True)
-    try:
-        with gguf_file.shared_readers(transformers=True), ThreadPoolExecutor(1) as pool:
-            config = gguf_config(gguf_path)
-            # the blocks' packing (numpy, mostly off the GIL) beside the tokenizer's conversion (Python)
-            packing = pool.submit(_cache_packed, gguf_file.read(gguf_path), gguf_path.name, config,
-                                  staging / PACKED_FILE)
-            tensors = unpacked_gguf_tensors(gguf_path, config)
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-            packing.result()
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
-    config.save_pretrained(staging)
-    save_tokenizer(tokenizer, staging)
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
-    staging.rename(out)
-    return out, tokenizer
-
-
-def _cache_packed(reader, name: str, hf_config, path: Path) -> None:
-    """The GGUF's packed blocks saved to `path`; a block the kernels cannot run leaves none (the load that needs
-    them stops on it then, with the tensor's name: a dense load does not)."""
-    try:
-        quant.save_packed(_pack_gguf(reader, name, hf_config), path)
-    except (ModelLoadError, QuantizationError):
-        pass
-
-
-def save_tokenizer(tokenizer, directory: Path) -> None:
-    """tokenizer.save_pretrained, with its added tokens also in tokenizer_config.json: without them transformers
-    parses the whole tokenizer.json in Python at every load to find them (1.4 s of the default model's 3.5 s)."""
-    tokenizer.save_pretrained(directory)
-    path = directory / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config.setdefault("added_tokens_decoder", {str(i): token.__getstate__()
-                                               for i, token in tokenizer.added_tokens_decoder.items()})
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
-
-
-def unpacked_gguf_tensors(gguf_path: Path, config) -> dict[str, torch.Tensor]:
-    """The GGUF's tensors that do not run packed (norms, biases, linears stored in F16/F32), by HF name, named and
-    converted as transformers' GGUF loader does (its weights map and its family's tensor processor: Gemma's norm
-    offset, Llama's q/k row order); the packed ones are never dequantized."""
-    from gguf.quants import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    with gguf_file.shared_readers(transformers=True):
-        parsed = {"config": hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"],
-                  "tensors": {}}
-    reader = gguf_file.read(gguf_path)
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
-    with torch.device("meta"):  # specserve's model has transformers' parameter names (its modeling import: ~2.5 s)
-        names = get_gguf_hf_weights_map(CausalLM(config), processor, config.model_type, config.num_hidden_layers)
-    out = {}
-    for tensor in reader.tensors:
-        if _packable(tensor):
-            continue
-        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
-                                   tensor_key_mapping=names, parsed_parameters=parsed)
-        if result.name in names:
-            out[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
-    return _strip_prefixes(out)
-
-
-def _packable(tensor) -> bool:
-    """Whether _pack_gguf packs this GGUF tensor: a quantized linear, embedding or lm_head."""
-    return gguf_hf_name(tensor.name) is not None and tensor.tensor_type.name not in _GGUF_DENSE_TYPES
 
 
 def dense_weights(directory: Path, gguf: Path | None) -> dict[str, torch.Tensor]:
@@ -249,7 +133,7 @@ def dense_weights(directory: Path, gguf: Path | None) -> dict[str, torch.Tensor]
         raise ModelLoadError(f"{gguf.name} is too large to dequantize in this machine's memory (its fp32 weights "
                              f"would take over {DENSE_RAM_SHARE:.0%} of it): it runs on its GGUF blocks only "
                              "(quantization: gguf)")
-    return _strip_prefixes(dequantized_gguf(gguf, load_hf_config(directory)))
+    return strip_prefixes(dequantized_gguf(gguf, load_hf_config(directory)))
 
 
 def export_hf_checkpoint(name: str, out: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -267,34 +151,6 @@ def export_hf_checkpoint(name: str, out: Path, dtype: torch.dtype = torch.float3
     save_file({key: t.to(dtype).contiguous() for key, t in tensors.items()}, str(staging / "model.safetensors"))
     staging.rename(out)
     return out
-
-
-def gguf_config(gguf_path: Path):
-    """The transformers config that a GGUF file's metadata describes."""
-    from transformers import AutoConfig
-
-    with gguf_file.shared_readers(transformers=True):
-        config_dict = dict(hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=False)["config"])
-    config_dict.pop("quantization_config", None)
-    return AutoConfig.for_model(**config_dict)
-
-
-def dequantized_gguf(gguf_path: Path, config) -> dict[str, torch.Tensor]:
-    """Every tensor of a GGUF file as fp32 under its HF name (transformers' GGUF reader)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    with gguf_file.shared_readers(transformers=True):
-        return hf_gguf().load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
-
-
-def hf_gguf():
-    """transformers' GGUF module: its functions looked up at call time, so that a shared_readers block's
-    replacements apply (a name imported from it before the block would keep the original)."""
-    import transformers.modeling_gguf_pytorch_utils as module
-
-    return module
 
 
 def too_large_to_dequantize(gguf_path: Path) -> bool:
@@ -328,20 +184,6 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(f"{directory} has no *.safetensors or pytorch_model*.bin weights")
 
 
-def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Multimodal Gemma3 checkpoints nest the text model under language_model."""
-    out = {}
-    for name, tensor in state.items():
-        for prefix in ("language_model.", "model.language_model."):
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                if not name.startswith(("model.", "lm_head.")):
-                    name = "model." + name
-                break
-        out[name] = tensor
-    return out
-
-
 def load_hf_config(directory: Path):
     from transformers import AutoConfig
 
@@ -362,7 +204,7 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
             model = CausalLM(hf_config, dtype)
     except ValueError as exc:  # an unsupported family or activation
         raise ModelLoadError(str(exc)) from None
-    state = {name: t.to(device=device, dtype=dtype) for name, t in _strip_prefixes(state).items()
+    state = {name: t.to(device=device, dtype=dtype) for name, t in strip_prefixes(state).items()
              if not name.endswith("rotary_emb.inv_freq") and name not in packed}
     if model.spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -414,85 +256,6 @@ def quantize_model(model: CausalLM, kind: str) -> None:
             model.model.embed_tokens = QuantEmbedding(PackedWeight.from_codes(codes), model.dtype)
     elif type(model.lm_head) is torch.nn.Linear:
         model.lm_head = quant.quantize_linear(model.lm_head, kind)
-
-
-_GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj"}
-_GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
-
-
-def gguf_hf_name(name: str) -> str | None:
-    """The HF parameter a GGUF tensor of a llama-like model holds, for the tensors that can be packed."""
-    if name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
-    if match and match[2] in _GGUF_LINEARS:
-        return f"model.layers.{match[1]}.{_GGUF_LINEARS[match[2]]}.weight"
-    return None
-
-
-def _llama_row_order(rows: int, heads: int) -> np.ndarray:
-    """llama.cpp's converter interleaves the rope halves of Llama's q/k rows; this undoes it (as transformers)."""
-    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
-
-
-PACKED_FILE = "specserve-packed.st"  # not *.safetensors: the dense reader globs those
-
-
-def gguf_packed_weights(gguf_path: Path, hf_config, cache_dir: Path) -> dict[str, PackedWeight]:
-    """The GGUF's quantized linears and embedding, packed for the kernel, by HF parameter name; packed once
-    (usually with the GGUF's conversion, converted_gguf) and mapped from `cache_dir` (its converted directory)."""
-    cached = cache_dir / PACKED_FILE
-    if cached.exists():
-        packed = quant.load_packed(cached)
-        if packed is not None:
-            return packed
-    packed = _pack_gguf(gguf_file.read(gguf_path), gguf_path.name, hf_config)
-    try:
-        quant.save_packed(packed, cached)
-    except OSError as exc:  # a read-only cache only costs the next start the packing again
-        print(f"specserve: could not cache packed weights in {cached}: {exc}", file=sys.stderr)
-        return packed
-    return quant.load_packed(cached) or packed  # mapped from the file: the memory they were packed in is freed
-
-
-FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-
-
-def fuse_projection_groups(packed: dict[str, PackedWeight]) -> None:
-    """Concatenate each layer's q/k/v and gate/up as the model's fuse_projections does (the parts become views of
-    the fused weights), so that the cache holds the layout the kernels run and a load maps it without a copy."""
-    for name in packed:
-        if name.endswith(".self_attn.q_proj.weight"):
-            layer = name.removesuffix("self_attn.q_proj.weight")
-            for group in FUSED_GROUPS:
-                parts = [f"{layer}{part}.weight" for part in group]
-                if all(part in packed for part in parts):
-                    PackedWeight.fuse_runs([packed[part] for part in parts])
-
-
-def _pack_gguf(reader, name: str, hf_config) -> dict[str, PackedWeight]:
-    """The quantized tensors of a GGUF file (`reader`, `name`) in the kernel's layout, q/k/v and gate/up fused."""
-    packed = {}
-    for tensor in reader.tensors:
-        if not _packable(tensor):
-            continue
-        kind, hf_name = tensor.tensor_type.name, gguf_hf_name(tensor.name)
-        in_features, out_features = (int(d) for d in tensor.shape[:2])
-        raw = tensor.data
-        if hf_config.model_type == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            heads = hf_config.num_attention_heads if ".attn_q." in tensor.name else hf_config.num_key_value_heads
-            raw = raw[_llama_row_order(out_features, heads)]
-        try:
-            codes = quant.decode_gguf(kind, raw, (out_features, in_features))
-        except QuantizationError as exc:
-            raise ModelLoadError(f"{name}: {tensor.name}: {exc}") from None
-        packed[hf_name] = PackedWeight.from_codes(codes)
-    fuse_projection_groups(packed)
-    return packed
 
 
 def _eos_ids(hf_config, tokenizer, directory: Path) -> set[int]:

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from specserve.models import gguf_file
-from specserve.models.loader import LoadedModel, build_model, dequantized_gguf, gguf_config
+from specserve.models.gguf_convert import dequantized_gguf, gguf_config
+from specserve.models.loader import LoadedModel, build_model
 from specserve.speculative.eagle import default_aux_layer_ids
 from specserve.train.distill import load_token_data, training_record
 from specserve.train.heads import TrainSettings, train

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from specserve.engine.output import IncrementalDetokenizer, StopChecker, skipped_special_ids
-from specserve.models.loader import embedded_default_gguf, gguf_to_hf_dir, llama2c_to_hf_dir
+from specserve.models.gguf_convert import gguf_to_hf_dir
+from specserve.models.loader import embedded_default_gguf, llama2c_to_hf_dir
 from specserve.speculative.sampling import SamplingParams
 from tests.conftest import STORIES
 

@@ -92,7 +92,8 @@ def test_the_cached_tokenizer_lists_its_added_tokens_and_loads_as_the_gguf_s(def
 
     from transformers import AutoTokenizer
 
-    from specserve.models.loader import embedded_default_gguf, gguf_to_hf_dir
+    from specserve.models.gguf_convert import gguf_to_hf_dir
+    from specserve.models.loader import embedded_default_gguf
 
     directory = gguf_to_hf_dir(embedded_default_gguf())
     listed = json.loads((directory / "tokenizer_config.json").read_text())["added_tokens_decoder"]

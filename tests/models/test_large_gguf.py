@@ -51,12 +51,13 @@ def test_a_gguf_too_large_to_dequantize_runs_packed(tmp_path, monkeypatch, rando
         return model.model(ids, positions, cache, positions).logits
 
     expected = logits(full)
+    names = cached_tensor_names(full.path)
     assert not any(name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight"))
-                   for name in cached_tensor_names(full.path)), "a packed linear was also cached dense"
+                   for name in names), "a packed linear was also cached dense"
     path.touch()  # a new mtime: a new conversion
     monkeypatch.setattr(loader, "DENSE_RAM_SHARE", 0.0)
     packed = loader.load_model(str(path))
-    assert packed.path != full.path and cached_tensor_names(packed.path) == cached_tensor_names(full.path)
+    assert packed.path != full.path and cached_tensor_names(packed.path) == names
     assert torch.equal(logits(packed), expected)
     with pytest.raises(loader.ModelLoadError, match="too large to dequantize"):
         loader.load_model(str(path), quantization="none")
@@ -109,3 +110,22 @@ def test_convert_writes_a_checkpoint_with_the_ggufs_outputs(tmp_path, monkeypatc
         cache = KVCache.for_model(model.model, 1, 8)
         results.append(model.model(ids, positions, cache, positions).logits)
     assert torch.equal(*results)
+
+
+def test_a_gguf_changed_in_place_leaves_one_converted_directory(tmp_path, monkeypatch, random_gguf):
+    """The conversion of a file's earlier version (another mtime) is removed when it is converted again; the
+    conversion of another file of the same name, elsewhere, is not (the control)."""
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    shape = random_gguf.Shape("llama", 256, 2, 4, 2, 512, 600, tied=False, rope_theta=10000.0, context=256)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    path, namesake = tmp_path / "a" / "tiny.gguf", tmp_path / "b" / "tiny.gguf"
+    for file in (path, namesake):
+        random_gguf.write("tiny", "Q4_K_M", file, shape=shape)
+    first, other = loader.load_model(str(path)).path, loader.load_model(str(namesake)).path
+    import os
+
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed in place
+    second = loader.load_model(str(path)).path
+    assert second != first and second.exists() and not first.exists()
+    assert other.exists() and sorted(d.name for d in second.parent.iterdir()) == sorted([second.name, other.name])

@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType, quants
 
 from specserve.engine.engine import Engine
 from specserve.models import quant
-from specserve.models.loader import ModelLoadError, _llama_row_order, load_model
+from specserve.models.gguf_convert import llama_row_order
+from specserve.models.loader import ModelLoadError, load_model
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
@@ -268,7 +269,7 @@ def test_llama_row_order_undoes_llama_cpp_permutation():
 
     rows = np.arange(32 * 3).reshape(32, 3)
     expected = LlamaTensorProcessor()._reverse_permute_weights(rows, 4, 4)
-    assert np.array_equal(rows[_llama_row_order(32, 4)], expected)
+    assert np.array_equal(rows[llama_row_order(32, 4)], expected)
 
 
 def test_bad_quantization_requests_get_clear_errors(checkpoint):
