@@ -236,8 +236,10 @@ class SpecServer:
             self.repository.close()
 
     async def _warm_up(self) -> None:
-        """Ready means warm: each loaded model runs one short request before the health routes say ready."""
-        for model in self.repository.ready_models():
+        """Ready means warm: each loaded model runs one short request before the health routes say ready (once per
+        runner: the names of one group, e.g. the default's tutorial aliases, share theirs)."""
+        runners = {id(model.runner): model for model in self.repository.ready_models()}
+        for model in runners.values():
             await self.ctx.warm_up(model)
         self.ctx.ready = True
         log.info("warm: ready")

@@ -116,3 +116,38 @@ def _eventually(predicate, timeout: float = 30.0) -> bool:
             return False
 
     return wait_for(safe, timeout)
+
+
+def test_names_sharing_a_runner_are_warmed_up_once(tmp_path, checkpoint):
+    """A single model is served under its own name and the tutorials' aliases, all one runner: one warm-up request,
+    not one per name (each a prefill and a few steps of the model)."""
+    from specserve.config import build_engine
+    from specserve.server.app import build_repository
+
+    class CountingEngine(SlowEngine):
+        requests = 0
+
+        def stream(self, prompt, params):
+            self.requests += 1
+            yield from super().stream(prompt, params)
+
+    engines = []
+
+    def factory(config, target):
+        engines.append(CountingEngine(build_engine(config, target), delay=0.0))
+        return engines[-1]
+
+    yaml_path = tmp_path / "model.yaml"
+    yaml_path.write_text(f"model: {checkpoint('llama')}\ndtype: float32\n")
+    repository = build_repository(model=str(yaml_path), engine_factory=factory)
+    assert not repository.load_all()
+    assert len(repository.ready_models()) > 1 and len(engines) == 1  # the names share one engine
+    server = SpecServer(repository, host="127.0.0.1", http_port=0, metrics_port=None)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert _eventually(lambda: httpx.get(f"{server.url}/v2/health/ready", timeout=TIMEOUT).status_code == 200)
+        assert engines[0].requests == 1
+    finally:
+        server.stop()
+
