@@ -102,7 +102,7 @@ def code_version() -> str:
     import hashlib
 
     models = Path(__file__).resolve().parent
-    sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.[ch]*"))
+    sources = sorted(models.glob("*.py")) + sorted((models.parent / "csrc").glob("*.[chi]*"))  # .cpp .h .inc
     return hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:12]
 
 
