@@ -9,14 +9,6 @@ class ConfigError(ValueError):
     """A configuration the user must fix; the message names the key."""
 
 
-def check_keys(section: dict, allowed: set[str], where: str) -> None:
-    if not isinstance(section, dict):
-        raise ConfigError(f"{where} must be a mapping")
-    unknown = sorted(set(section) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown key {unknown[0]!r} in {where}; allowed: {', '.join(sorted(allowed))}")
-
-
 def int_at_least(value, key: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")

@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal, Optional
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from specserve.checks import ConfigError, check_keys, flag, int_at_least, resolve_path
+from specserve.checks import ConfigError, int_at_least, resolve_path
 from specserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from specserve.speculative import registry
 from specserve.speculative.base import DEFAULT_DRAFT_LEN, MethodEntry, MethodOptions
@@ -106,13 +108,76 @@ class DeploymentConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
-TOP_LEVEL_KEYS = {"model", "backend", "tensor_parallel_size", "pipeline_parallel_size", "speculative_config",
-                  "triton_config", "dtype", "max_model_len", "quantization"}
-COMMON_SPEC_KEYS = {"decoding_type", "max_draft_len", "speculative_model", "speculative_model_dir",
-                    "adaptive_draft_len"}
+class StrictSection(BaseModel):
+    """A config file's section: unknown keys, wrong types (a string for a number or a flag) and out-of-range
+    values are refused, the error naming the key."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TritonSection(StrictSection):
+    max_batch_size: int = Field(ServingConfig.max_batch_size, ge=0)
+    decoupled: bool = False
+
+
+class SpeculativeSection(StrictSection):
+    """speculative_config: the keys every method shares; the method's own keys (`extra`) its options class reads."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    decoding_type: str
+    max_draft_len: Optional[int] = Field(None, ge=1)
+    depth: Optional[int] = Field(None, ge=1)  # EAGLE's spelling: the levels after the first
+    num_eagle_layers: Optional[int] = Field(None, ge=1)
+    speculative_model: Optional[str] = None
+    speculative_model_dir: Optional[str] = None
+    adaptive_draft_len: bool = True
+
+    @model_validator(mode="after")
+    def _known_method_keys(self) -> SpeculativeSection:
+        known = registry.setting_keys()
+        unknown = sorted(key for key in self.model_extra or {} if key not in known)
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r}; the methods read: {', '.join(sorted(known))}")
+        given = [key for key in DRAFT_LEN_KEYS if getattr(self, key) is not None]
+        if len(given) > 1:
+            raise ValueError(f"the draft length is given twice ({' and '.join(given)}): keep one")
+        return self
+
+    @property
+    def draft_len(self) -> int | None:
+        for key, extra in DRAFT_LEN_KEYS.items():
+            if getattr(self, key) is not None:
+                return getattr(self, key) + extra
+        return None
+
+
+class ModelYaml(StrictSection):
+    """The TRT-LLM LLM API's model.yaml, as far as it applies here."""
+
+    model: str
+    backend: Optional[str] = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: Literal[1] = 1  # tensor_parallel_size shards the model
+    speculative_config: Optional[SpeculativeSection] = None
+    triton_config: TritonSection = TritonSection()
+    dtype: Optional[str] = None
+    max_model_len: Optional[int] = Field(None, ge=2)
+    quantization: Optional[str] = None
+
+
 # spellings of the draft length, each with what to add: EAGLE's `depth` counts the levels after the first
 DRAFT_LEN_KEYS = {"max_draft_len": 0, "depth": 1, "num_eagle_layers": 0}
-TRITON_KEYS = {"max_batch_size", "decoupled"}
+
+
+def first_error(exc: ValidationError, where: str) -> ConfigError:
+    """A pydantic error as a ConfigError naming the key (dotted through sections) and what is wrong with it."""
+    error = exc.errors()[0]
+    key = ".".join(str(part) for part in error["loc"])
+    message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+    value = f" (got {error['input']!r})" if error["type"] not in ("extra_forbidden", "missing") and \
+        not isinstance(error.get("input"), dict) else ""
+    return ConfigError(f"{where}: {key + ': ' if key else ''}{message}{value}")
 
 
 def resolve_tensor_parallel_size(given: int | None, configured: int = 1) -> int:
@@ -128,44 +193,30 @@ def load_model_yaml(path: Path) -> DeploymentConfig:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict) or "model" not in data:
+    if not isinstance(data, dict):
         raise ConfigError(f"{path} must be a mapping with a 'model' key")
-    check_keys(data, TOP_LEVEL_KEYS, str(path))
-    if data.get("pipeline_parallel_size", 1) != 1:
-        raise ConfigError(f"pipeline_parallel_size={data['pipeline_parallel_size']!r} is not supported: use "
-                          "tensor_parallel_size")
+    try:
+        given = ModelYaml(**data)
+    except ValidationError as exc:
+        raise first_error(exc, str(path)) from None
     base = Path(path).parent
-    max_model_len = data.get("max_model_len")
-    model = ModelConfig(resolve_path(str(data["model"]), base), data.get("dtype"), data.get("quantization"),
-                        None if max_model_len is None else int_at_least(max_model_len, "max_model_len", 2),
-                        int_at_least(data.get("tensor_parallel_size", 1), "tensor_parallel_size"))
-    triton = data.get("triton_config") or {}
-    check_keys(triton, TRITON_KEYS, "triton_config")
-    serving = ServingConfig(int_at_least(triton.get("max_batch_size", ServingConfig.max_batch_size),
-                                         "max_batch_size", 0),
-                            flag(triton.get("decoupled", False), "triton_config.decoupled"))
-    spec = data.get("speculative_config")
+    model = ModelConfig(resolve_path(given.model, base), given.dtype, given.quantization, given.max_model_len,
+                        given.tensor_parallel_size)
+    serving = ServingConfig(given.triton_config.max_batch_size, given.triton_config.decoupled)
+    spec = given.speculative_config
     return DeploymentConfig(model, serving, read_speculative_config(spec, base) if spec else SpeculativeConfig())
 
 
-def read_speculative_config(spec: dict, base: Path) -> SpeculativeConfig:
-    check_keys(spec, COMMON_SPEC_KEYS | set(DRAFT_LEN_KEYS) | registry.setting_keys(), "speculative_config")
-    if "decoding_type" not in spec:
-        raise ConfigError("speculative_config needs decoding_type")
-    settings = {k: v for k, v in spec.items() if k not in COMMON_SPEC_KEYS}
-    entry = registry.resolve(spec["decoding_type"])
+def read_speculative_config(spec: SpeculativeSection, base: Path) -> SpeculativeConfig:
+    # the EAGLE spellings of the depth stay the method's settings too: a method without trees refuses them
+    settings = {**(spec.model_extra or {}), **{key: getattr(spec, key) for key in ("depth", "num_eagle_layers")
+                                                if getattr(spec, key) is not None}}
+    entry = registry.resolve(spec.decoding_type)
     if entry is not None and entry.variant is not None:
         entry = entry.variant(settings)
-    draft = spec.get("speculative_model") or spec.get("speculative_model_dir")
-    config = SpeculativeConfig(entry.name if entry else registry.PLAIN,
-                               model=resolve_path(str(draft), base) if draft else None,
-                               adaptive_draft_len=flag(spec.get("adaptive_draft_len", True), "adaptive_draft_len"),
-                               settings=settings)
-    given = [key for key in DRAFT_LEN_KEYS if key in spec]
-    if len(given) > 1:
-        raise ConfigError(f"speculative_config gives the draft length twice ({' and '.join(given)}): keep one")
-    for key in given:
-        config.max_draft_len = int_at_least(spec[key], key) + DRAFT_LEN_KEYS[key]
+    draft = spec.speculative_model or spec.speculative_model_dir
+    config = SpeculativeConfig(entry.name if entry else registry.PLAIN, spec.draft_len,
+                               resolve_path(draft, base) if draft else None, spec.adaptive_draft_len, settings)
     registry.check_exclusive(entry, settings)
     config.check()
     return config

@@ -82,6 +82,11 @@ def test_draft_length_defaults_by_method_and_policy(tmp_path):
     ("model: m\ntriton_config:\n  decoupled: \"false\"\n", "triton_config.decoupled"),
     ("model: m\nmax_model_len: 0\n", "max_model_len"),
     ("model: m\nmax_model_len: 4k\n", "max_model_len"),
+    ("model: m\nmax_model_len: -5\n", "max_model_len: .*greater than or equal to 2"),
+    ("model: m\nmax_model_len: \"abc\"\n", "max_model_len: .*valid integer"),
+    ("model: m\ntriton_config: {decoupled: \"maybe\"}\n", "triton_config.decoupled: .*valid boolean"),
+    ("model: m\ntriton_config: {max_batch_size: 8.5}\n", "triton_config.max_batch_size"),
+    ("model: 7\n", "model: .*valid string"),
     ("model: m\nspeculative_config:\n  decoding_type: Eagle\n  max_draft_len: 4\n  depth: 5\n",
      "max_draft_len and depth"),
 ])
@@ -156,6 +161,10 @@ def test_vllm_speculative_config(tmp_path):
     ({"model": "m", "speculative_config": {"method": "ngram", "num_speculative_tokens": 0}},
      "num_speculative_tokens"),
     ({"speculative_model": "d"}, "model"),
+    ({"model": "m", "max_model_len": "256"}, "max_model_len: .*valid integer"),
+    ({"model": "m", "enforce_eager": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": True}},
+     "num_speculative_tokens: .*valid integer"),
+    ({"model": "m", "speculative_model": "d", "speculative_config": {"method": "ngram"}}, "not both"),
 ])
 def test_vllm_errors_name_the_key(tmp_path, data, fragment):
     with pytest.raises(ConfigError, match=fragment):
