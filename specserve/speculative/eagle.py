@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
+from specserve.models.transformer import RopeTables
 from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 TORCH_FILE = "pytorch_model.bin"
@@ -273,17 +274,16 @@ class EagleHead(nn.Module):
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (cos, sin) [T, head_dim] at `positions`: a Llama layer's, from the target's rope tables."""
         if self._rotary is None:
             from transformers import LlamaConfig
-            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
             cfg = self.config
             hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
                              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                              max_position_embeddings=cfg.max_position_embeddings)
-            self._rotary = LlamaRotaryEmbedding(hf)
-        probe = torch.zeros(1, dtype=torch.float32)
-        cos, sin = self._rotary(probe, positions[None].long())
-        return cos[0], sin[0]
+            self._rotary = RopeTables(hf, torch.float32)
+        return self._rotary.lookup(positions.long(), "full_attention")
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 cache: "HeadCache | None" = None, slots: torch.Tensor | None = None,
