@@ -1,25 +1,22 @@
 """The OpenAI request and response formats for /v1/completions and /v1/chat/completions: request fields ->
-prompt and SamplingParams (refusing what specserve does not do, naming the field), the response and stream-chunk
-bodies, and errors as `{"error": {"message", "type", "param", "code"}}`.
+prompt and SamplingParams (the shared sampling fields typed in fields.py), the response and stream-chunk bodies, and errors as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from starlette.responses import Response
 
 from specserve.engine.engine import RequestError
 from specserve.server.errors import CLIENT_CLOSED, InputError, http_status, is_expected
-from specserve.server.guides import openai_guide
 from specserve.server.http import json_response, sse
+from specserve.server.openai.fields import CommonFields
 from specserve.server.openai.messages import chat_prompt
 from specserve.server.repository import ModelNotReadyError, RepositoryError, ServedModel
 from specserve.server.request import ServerContext, sampling_params
 from specserve.server.runner import QueueFullError
-from specserve.speculative.grammar import Guide
-from specserve.speculative.sampling import MAX_LOGPROBS, SamplingParams
+from specserve.speculative.sampling import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions default
 DEFAULT_CHAT_MAX_TOKENS_CAP = 2048  # chat default: the rest of the context, at most this
@@ -27,7 +24,6 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllo
                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 QUEUE_FULL_MESSAGE = "The server is busy: the request queue is full; retry later"
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-MAX_N = 16  # choices per request (`n`): each is a request of its own to the engine
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -74,156 +70,6 @@ def _param(exc: BaseException) -> str | None:
 # requests
 
 
-def _get(body: dict, key: str, kinds, default=None):
-    """body[key] if it has the type `kinds` (an int passes as a float), `default` when absent or null."""
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if kinds is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) and kinds is not bool:
-        raise InputError(f"'{key}' must be of type {kinds.__name__}, got {value!r}", param=key)
-    if not isinstance(value, kinds):
-        name = kinds.__name__ if isinstance(kinds, type) else " or ".join(k.__name__ for k in kinds)
-        raise InputError(f"'{key}' must be of type {name}, got {value!r}", param=key)
-    return value
-
-
-def _stop_list(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise InputError("'stop' must be a string or a list of strings", param="stop")
-
-
-@dataclass
-class CommonFields:
-    """The fields /v1/completions and /v1/chat/completions share."""
-
-    max_tokens: int | None  # None: the endpoint's default, decided once the prompt length is known
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    min_tokens: int
-    stream: bool
-    include_usage: bool  # a last chunk with the usage
-    continuous_usage: bool  # the usage so far in every chunk
-    n: int  # independent choices
-    logprobs: int | None  # top log-probabilities per output token (None: no log-probabilities)
-    prompt_logprobs: int | None  # the same for the prompt (completions that echo it)
-    num_speculative_tokens: int | None  # the request's cap on draft tokens per step (0: no speculation)
-    suffix_cache: bool  # false: out of the suffix method's shared cache
-    guide: Guide | None = None  # structured outputs: response_format or vLLM's structured_outputs / guided_*
-
-
-def parse_common(body: dict, chat: bool) -> CommonFields:
-    _check_neutral(body)
-    max_tokens = _get(body, "max_completion_tokens", int) if chat else None
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int)
-    if max_tokens is not None and max_tokens < (1 if chat else 0):  # 0: a completion that scores its prompt
-        raise InputError(f"max_tokens must be at least {1 if chat else 0}, got {max_tokens}", param="max_tokens")
-    stream = _get(body, "stream", bool, False)
-    options = _stream_options(body, stream)
-    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
-    echo_scored = not chat and logprobs is not None and _get(body, "echo", bool, False)
-    return CommonFields(
-        max_tokens=max_tokens, temperature=_get(body, "temperature", float, 1.0),
-        top_p=_get(body, "top_p", float, 1.0), top_k=max(_get(body, "top_k", int, 0), 0),
-        seed=_get(body, "seed", int), stop=_stop_list(body), stop_token_ids=_stop_token_ids(body),
-        ignore_eos=_get(body, "ignore_eos", bool, False), min_tokens=_min_tokens(body),
-        stream=stream, include_usage=_get(options, "include_usage", bool, False),
-        continuous_usage=_get(options, "continuous_usage_stats", bool, False), n=_choices(body),
-        logprobs=logprobs, prompt_logprobs=logprobs if echo_scored else None,
-        num_speculative_tokens=_draft_cap(body), suffix_cache=_get(body, "suffix_cache", bool, True),
-        guide=openai_guide(body))
-
-
-def _min_tokens(body: dict) -> int:
-    count = _get(body, "min_tokens", int, 0)
-    if count < 0:
-        raise InputError(f"min_tokens must be >= 0, got {count}", param="min_tokens")
-    return count
-
-
-def _draft_cap(body: dict) -> int | None:
-    """`num_speculative_tokens` (vLLM's name for the draft length, per request here): an integer >= 0."""
-    cap = _get(body, "num_speculative_tokens", int)
-    if cap is not None and cap < 0:
-        raise InputError(f"num_speculative_tokens must be >= 0 (0: no speculation), got {cap}",
-                         param="num_speculative_tokens")
-    return cap
-
-
-def _choices(body: dict) -> int:
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise InputError(f"n must be in [1, {MAX_N}], got {n}", param="n")
-    if _get(body, "best_of", int, n) != n:
-        raise InputError("best_of must equal n: specserve returns every sample it draws", param="best_of")
-    return n
-
-
-def _top_count(body: dict, key: str) -> int:
-    count = _get(body, key, int, 0)
-    if not 0 <= count <= MAX_LOGPROBS:
-        raise InputError(f"{key} must be in [0, {MAX_LOGPROBS}], got {count}", param=key)
-    return count
-
-
-def _completion_logprobs(body: dict) -> int | None:
-    """Completions' `logprobs`: how many top log-probabilities per token (0: the chosen token's alone)."""
-    return None if body.get("logprobs") is None else _top_count(body, "logprobs")
-
-
-def _chat_logprobs(body: dict) -> int | None:
-    """Chat's `logprobs` (bool) and `top_logprobs` (how many, which needs logprobs)."""
-    top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
-    if not _get(body, "logprobs", bool, False):
-        if top:
-            raise InputError("top_logprobs needs logprobs: true", param="top_logprobs")
-        return None
-    return top or 0
-
-
-def _check_neutral(body: dict) -> None:
-    """Fields specserve takes only at their neutral value."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _get(body, key, float, 0.0) != 0.0:
-            raise InputError(f"'{key}' is not supported by specserve (only 0)", param=key)
-    if _get(body, "repetition_penalty", float, 1.0) != 1.0:
-        raise InputError("'repetition_penalty' is not supported by specserve (only 1)", param="repetition_penalty")
-    if body.get("logit_bias"):
-        raise InputError("'logit_bias' is not supported by specserve", param="logit_bias")
-    _get(body, "user", str)  # OpenAI's end-user id: kept nowhere, but a string
-
-
-def _stream_options(body: dict, stream: bool) -> dict:
-    options = body.get("stream_options")
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise InputError("'stream_options' must be an object", param="stream_options")
-    if not stream:
-        raise InputError("Stream options can only be defined when `stream=True`.", param="stream_options")
-    return options
-
-
-def _stop_token_ids(body: dict) -> list[int]:
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise InputError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    return list(stop_ids)
-
-
 def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat: bool,
                  format_stop: tuple[str, ...] = ()) -> SamplingParams:
     """The request's SamplingParams; without max_tokens: 16 for completions, the rest of the context (at most
@@ -249,7 +95,7 @@ def read_prompt(body: dict, engine, chat: bool, max_messages: int, chat_template
         ids = chat_prompt(body, engine, max_messages, chat_template, tools)
         return ids, ids, ""
     prompt, ids, text = completion_prompt(body, engine)
-    return prompt, ids, text if _get(body, "echo", bool, False) else ""
+    return prompt, ids, text if body.get("echo") else ""  # a flag: parse_common checked it
 
 
 def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], str]:

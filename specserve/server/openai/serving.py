@@ -15,10 +15,11 @@ from starlette.responses import Response
 from specserve.engine.output import StreamEvent
 from specserve.server.errors import InputError
 from specserve.server.http import EventStream, json_response, read_json, sse, with_disconnect
+from specserve.server.openai.fields import CommonFields, parse_common
 from specserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
-from specserve.server.openai.protocol import (CommonFields, build_params, check_unsupported, choice, chunk,
-                                              chunk_object, completion_body, error_json, error_response,
-                                              exception_body, find_model, parse_common, read_prompt, usage)
+from specserve.server.openai.protocol import (build_params, check_unsupported, choice, chunk, chunk_object,
+                                              completion_body, error_json, error_response, exception_body,
+                                              find_model, read_prompt, usage)
 from specserve.server.openai.tools import ToolRequest, parse_tools
 from specserve.server.repository import ModelNotReadyError, RepositoryError
 from specserve.server.request import ServerContext, first_event

@@ -6,7 +6,8 @@ import pytest
 
 from specserve.engine.engine import RequestError
 from specserve.server.errors import InputError
-from specserve.server.openai.protocol import build_params, exception_body, parse_common
+from specserve.server.openai.fields import parse_common
+from specserve.server.openai.protocol import build_params, exception_body
 from specserve.server.runner import QueueFullError
 
 
@@ -33,6 +34,13 @@ def test_fields_refused_name_their_param():
     ({"min_tokens": -1}, "min_tokens"),
     ({"stream": True, "stream_options": {"include_usage": "false"}}, "include_usage"),  # was read as true
     ({"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "continuous_usage_stats"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"stream": "yes"}, "stream"),
+    ({"stop": [1]}, "stop"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"n": 17}, "n"),
+    ({"logprobs": 3}, "logprobs"),
 ])
 def test_fields_of_a_wrong_type_or_range_name_their_param(body, param):
     with pytest.raises(InputError) as info:
