@@ -1,5 +1,6 @@
 """The OpenAI request and response formats for /v1/completions and /v1/chat/completions: request fields ->
-prompt and SamplingParams (the shared sampling fields typed in fields.py), the response and stream-chunk bodies, and errors as `{"error": {"message", "type", "param", "code"}}`.
+prompt and SamplingParams (the shared sampling fields typed in fields.py), the response and stream-chunk bodies,
+and errors as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
