@@ -113,8 +113,9 @@ def test_convert_writes_a_checkpoint_with_the_ggufs_outputs(tmp_path, monkeypatc
 
 
 def test_a_gguf_changed_in_place_leaves_one_converted_directory(tmp_path, monkeypatch, random_gguf):
-    """The conversion of a file's earlier version (another mtime) is removed when it is converted again; the
-    conversion of another file of the same name, elsewhere, is not (the control)."""
+    """The conversion of a file's earlier version (another mtime), and one of its name without a recorded source (an
+    earlier specserve's layout), are removed when it is converted again; the conversion of another file of the same
+    name, elsewhere, and a directory of another name are not (the controls)."""
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
     shape = random_gguf.Shape("llama", 256, 2, 4, 2, 512, 600, tied=False, rope_theta=10000.0, context=256)
     (tmp_path / "a").mkdir()
@@ -123,9 +124,14 @@ def test_a_gguf_changed_in_place_leaves_one_converted_directory(tmp_path, monkey
     for file in (path, namesake):
         random_gguf.write("tiny", "Q4_K_M", file, shape=shape)
     first, other = loader.load_model(str(path)).path, loader.load_model(str(namesake)).path
+    older_layout = first.parent / "tiny-0123456789abcdef"  # what an earlier specserve wrote: no source recorded
+    older_layout.mkdir()
+    (older_layout / "model.safetensors").write_bytes(b"fp32 weights")
+    unrelated = first.parent / "tiny-llama-0123456789abcdef"  # another file's name, with the same start
+    unrelated.mkdir()
     import os
 
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # the file changed in place
     second = loader.load_model(str(path)).path
-    assert second != first and second.exists() and not first.exists()
-    assert other.exists() and sorted(d.name for d in second.parent.iterdir()) == sorted([second.name, other.name])
+    assert second != first and second.exists() and not first.exists() and not older_layout.exists()
+    assert sorted(d.name for d in second.parent.iterdir()) == sorted([second.name, other.name, unrelated.name])
