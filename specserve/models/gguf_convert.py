@@ -144,8 +144,6 @@ def hf_gguf():
 _GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
-
-
 _GGUF_DENSE_TYPES = ("F32", "F16", "BF16")
 
 

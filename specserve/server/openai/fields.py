@@ -36,30 +36,30 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both endpoints share; null is the same as absent."""
+    """The fields both endpoints share, with their defaults (parse_common drops null fields: null is absent)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
 
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    max_tokens: Optional[int] = None  # None: the endpoint's default, decided once the prompt length is known
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or less: no top-k
     seed: Optional[int] = None
-    stop: Optional[list[str]] = None  # a string is a list of one
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
-    min_tokens: Optional[int] = Field(None, ge=0)
-    stream: Optional[bool] = None
+    stop: list[str] = []  # a string is a list of one
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(None, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N)
     best_of: Optional[int] = None
     num_speculative_tokens: Optional[int] = Field(None, ge=0)  # vLLM's draft length, per request (0: none)
-    suffix_cache: Optional[bool] = None  # false: kept out of the suffix method's shared cache
+    suffix_cache: bool = True  # false: kept out of the suffix method's shared cache
     user: Optional[str] = None  # OpenAI's end-user id: kept nowhere
     # taken at their neutral value only
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: Optional[dict] = None
 
     @field_validator("stop", mode="before")
@@ -67,20 +67,20 @@ class SamplingFields(BaseModel):
     def _stop_list(cls, stop):
         if isinstance(stop, str):
             return [stop]
-        if stop is None or isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
             return stop
         raise _Refused("stop", "'stop' must be a string or a list of strings")
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
         for key in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, key) not in (None, 0.0):
+            if getattr(self, key) != 0.0:
                 raise _Refused(key, f"'{key}' is not supported by specserve (only 0)")
-        if self.repetition_penalty not in (None, 1.0):
+        if self.repetition_penalty != 1.0:
             raise _Refused("repetition_penalty", "'repetition_penalty' is not supported by specserve (only 1)")
         if self.logit_bias:
             raise _Refused("logit_bias", "'logit_bias' is not supported by specserve")
-        if self.best_of not in (None, self.n or 1):
+        if self.best_of not in (None, self.n):
             raise _Refused("best_of", "best_of must equal n: specserve returns every sample it draws")
         if self.stream_options is not None and not self.stream:
             raise _Refused("stream_options", "Stream options can only be defined when `stream=True`.")
@@ -90,13 +90,13 @@ class SamplingFields(BaseModel):
 class CompletionFields(SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=0)  # 0: a completion that scores its prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # top log-probabilities per token
-    echo: Optional[bool] = None
+    echo: bool = False
 
 
 class ChatFields(SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)  # the newer name of max_tokens
-    logprobs: Optional[bool] = None
+    logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
@@ -133,7 +133,7 @@ class CommonFields:
 def parse_common(body: dict, chat: bool) -> CommonFields:
     """The shared fields of a request body (InputError naming the first bad one)."""
     try:
-        given = (ChatFields if chat else CompletionFields)(**body)
+        given = (ChatFields if chat else CompletionFields)(**{k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise _input_error(exc) from None
     if chat:
@@ -145,17 +145,12 @@ def parse_common(body: dict, chat: bool) -> CommonFields:
         prompt_logprobs = logprobs if given.echo else None
     options = given.stream_options or StreamOptions()
     return CommonFields(
-        max_tokens=max_tokens, temperature=_or(given.temperature, 1.0), top_p=_or(given.top_p, 1.0),
-        top_k=max(given.top_k or 0, 0), seed=given.seed, stop=[s for s in given.stop or [] if s],
-        stop_token_ids=list(given.stop_token_ids or []), ignore_eos=bool(given.ignore_eos),
-        min_tokens=given.min_tokens or 0, stream=bool(given.stream), include_usage=options.include_usage,
-        continuous_usage=options.continuous_usage_stats, n=given.n or 1, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, num_speculative_tokens=given.num_speculative_tokens,
-        suffix_cache=_or(given.suffix_cache, True), guide=openai_guide(body))
-
-
-def _or(value, default):
-    return default if value is None else value
+        max_tokens=max_tokens, temperature=given.temperature, top_p=given.top_p, top_k=max(given.top_k, 0),
+        seed=given.seed, stop=[s for s in given.stop if s], stop_token_ids=list(given.stop_token_ids),
+        ignore_eos=given.ignore_eos, min_tokens=given.min_tokens, stream=given.stream,
+        include_usage=options.include_usage, continuous_usage=options.continuous_usage_stats, n=given.n,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, num_speculative_tokens=given.num_speculative_tokens,
+        suffix_cache=given.suffix_cache, guide=openai_guide(body))
 
 
 def _input_error(exc: ValidationError) -> InputError:
