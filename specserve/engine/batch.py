@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from specserve.engine.draft_gate import DraftGate, GatePool
@@ -64,14 +65,15 @@ class BatchEngine:
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is chosen per step below
         self.gated = self.costs is not None and engine.method.drafts_trees
-        self.gates: dict[Sequence, DraftGate] = {}
-        self.gate_pool = GatePool()
+        self.gates: dict[tuple[Sequence, Hashable], DraftGate] = {}  # per request and kind of step
+        self.step_gates: dict[Sequence, DraftGate] = {}  # the gate each request's current step went through
+        self.gate_pools: dict[Hashable, GatePool] = {}  # per kind of step (Proposer.situation)
 
     def forget_acceptance(self) -> None:
         """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
         keep their own estimates."""
         self.draft_length.forget()
-        self.gate_pool = GatePool()
+        self.gate_pools = {}
 
     @property
     def active(self) -> int:
@@ -173,8 +175,8 @@ class BatchEngine:
                 drafted = seq.metrics.total_draft_tokens - drafted
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
                 self.draft_length.record(seq, drafted, accepted, proposal)
-                if self.gated and seq in self.gates:
-                    self.gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
+                if self.gated and seq in self.step_gates:
+                    self.step_gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
                                             None if reproducible(seq) else shares.get(id(proposal)))
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
@@ -220,7 +222,8 @@ class BatchEngine:
             self.rows[row] = self.rows[last]
         self.rows.pop()
         self.draft_length.leave(seq)
-        self.gates.pop(seq, None)
+        self.gates = {key: gate for key, gate in self.gates.items() if key[0] is not seq}
+        self.step_gates.pop(seq, None)
         self.cache.lengths[last] = 0
         self._fit_cache()
 
@@ -230,9 +233,14 @@ class BatchEngine:
         self.cache.fit(len(self.rows), slots)
 
     def _gate(self, seq: Sequence) -> DraftGate:
-        if seq not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
-            self.gates[seq] = DraftGate(GatePool() if reproducible(seq) else self.gate_pool)
-        return self.gates[seq]
+        """The request's gate for the kind of step it is at (Proposer.situation), now its step's gate."""
+        situation = seq.proposer.situation(seq.context)
+        key = (seq, situation)
+        if key not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
+            pool = GatePool() if reproducible(seq) else self.gate_pools.setdefault(situation, GatePool())
+            self.gates[key] = DraftGate(pool, times_catch_up=situation is not None)
+        self.step_gates[seq] = self.gates[key]
+        return self.gates[key]
 
     @staticmethod
     def _step_shares(wall: float, proposals, verify) -> dict[int, float]:

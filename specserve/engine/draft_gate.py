@@ -103,8 +103,12 @@ class GatePool:
 
 
 class DraftGate:
-    def __init__(self, pool: GatePool):
+    def __init__(self, pool: GatePool, times_catch_up: bool = False):
+        """`times_catch_up`: learn drafting seconds from every full step, the head's catch-up on skipped tokens
+        included: for a gate that shares its request with another gate (Proposer.situation), whose steps in
+        between skip the head as a matter of course, so that the catch-up is part of this gate's steady cost."""
         self.pool = pool
+        self.times_catch_up = times_catch_up
         self.full, self.cheap = pool.full.copy(), pool.cheap.copy()
         self.backoff = pool.backoff
         self.skipped = pool.skipped
@@ -155,7 +159,7 @@ class DraftGate:
                 verify_seconds, step_seconds: float | None = None) -> None:
         """The step's outcome: tokens emitted, draft tokens verified, seconds spent drafting, and (when the engine
         measures it) this request's share of the step's wall time."""
-        steady = drafted_in_full and self.drafted_last
+        steady = drafted_in_full and (self.drafted_last or self.times_catch_up)
         arm, pooled = (self.full, self.pool.full) if drafted_in_full else (self.cheap, self.pool.cheap)
         timed = steady or not drafted_in_full
         seconds, step = (draft_seconds, step_seconds) if timed else (None, None)

@@ -13,11 +13,12 @@ nodes of each level and keep the `total_tokens` best nodes overall. With the tar
 
 With `lookup` (prompt lookup as a branch), the n-gram continuation of the sequence (as `ngram` drafts it) is merged
 into the drafted tree: where the head drafted the same tokens the nodes are shared, the rest hangs below them as a
-chain. A lookup node at depth d scores r^d, r being how often lookups of that n-gram length were right per token
-so far in the request, so the budget weighs it against the head's nodes; with measured costs, a step whose chain
-alone promises the tokens/s of the last head-drafted tree skips the head. Head and lookup catch different tokens
-(the head: the target's style; lookup: text copied from the prompt or repeated), and both are deterministic
-candidates, so verification stays lossless. With `suffix` instead (`eagle3+suffix`), the branch is suffix
+chain. A lookup node at depth d scores the chance that the chain's first d tokens are accepted, from how often
+lookups of that n-gram length were right at their first token and, their predecessor right, at each later one
+(`acceptance.py`, the request's own and the method's over requests), so the budget weighs it against the head's
+nodes; with measured costs, a step whose chain alone promises the tokens/s of the last head-drafted tree skips
+the head. Head and lookup catch different tokens (the head: the target's style; lookup: text copied from the
+prompt or repeated), and both are deterministic candidates, so verification stays lossless. With `suffix` instead (`eagle3+suffix`), the branch is suffix
 decoding's best chain (`suffix.py`: the request's own text and the model's cache of earlier responses), judged the
 same way.
 """
@@ -37,6 +38,7 @@ from specserve.checks import ConfigError, flag, int_at_least
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import eagle_kernels
+from specserve.speculative.acceptance import AcceptanceByEvidence
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
@@ -80,6 +82,7 @@ class EagleMethod(SpecMethod):
         self.top_k, self.total_tokens = top_k, total_tokens
         self.choices = [list(c) for c in choices] if choices else None
         self.verify_seconds = verify_seconds
+        self.lookup_pool = AcceptanceByEvidence.pooled()  # the lookup branch's acceptance over requests
         if head.kind == "eagle3":
             # the input of layer i is the output of layer i - 1
             self.hidden_layers = tuple(int(i) - 1 for i in aux_layer_ids)
@@ -119,10 +122,11 @@ class EagleMethod(SpecMethod):
     def branch(self, params, capacity: int) -> LookupBranch | None:
         """A request's lookup branch, if the trees have one."""
         if self.suffix is not None:
-            return SuffixBranch(self.suffix.new_proposer(params, None, capacity))
-        return LookupBranch(*self.lookup) if self.lookup else None
+            return SuffixBranch(self.suffix.new_proposer(params, None, capacity), self.lookup_pool)
+        return LookupBranch(*self.lookup, self.lookup_pool) if self.lookup else None
 
     def reset(self) -> None:
+        self.lookup_pool = AcceptanceByEvidence.pooled()
         if self.suffix is not None:
             self.suffix.reset()
 
@@ -172,6 +176,10 @@ class EagleProposer(Proposer):
         if self.lookup is not None:
             self.lookup.request_finished(output)
 
+    def situation(self, tokens: list[int]) -> bool | None:
+        """With a lookup branch: whether it has a chain to offer at this step (Proposer.situation)."""
+        return None if self.lookup is None else self.lookup.has_chain(tokens)
+
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
         self.budget.observe(hidden.shape[0] - 1)  # rows: the root and each accepted node
@@ -180,12 +188,12 @@ class EagleProposer(Proposer):
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         if max_len <= 0 or (not self.features and self.last_output is None):
             return Proposal.chain(tokens[-1], [])
-        chain, rate = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], 0.0)
-        if self.budget.lookup_alone_pays(chain, rate):
-            return self._lookup_only(tokens[-1], chain, rate)
+        chain, reach = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], [])
+        if self.budget.lookup_alone_pays(reach):
+            return self._lookup_only(tokens[-1], chain, reach)
         start = time.perf_counter()
         self._catch_up(tokens)
-        nodes = self._grow(tokens[-1], max_len, chain, rate)
+        nodes = self._grow(tokens[-1], max_len, chain, reach)
         keep = self.budget.select(nodes)
         if self.lookup is not None:
             self.budget.note_head_rate(nodes, keep, time.perf_counter() - start)
@@ -200,9 +208,9 @@ class EagleProposer(Proposer):
             return Proposal.chain(tokens[-1], [])
         return self._lookup_only(tokens[-1], *self.lookup.propose(tokens, max_len))
 
-    def _lookup_only(self, root: int, chain: list[int], rate: float) -> Proposal:
+    def _lookup_only(self, root: int, chain: list[int], reach: list[float]) -> Proposal:
         nodes = Nodes(root, None)
-        self._merge(nodes, chain, rate)
+        self._merge(nodes, chain, reach)
         keep = self.budget.select(nodes)
         if not keep:
             return Proposal.chain(root, [], cheap=True)
@@ -276,22 +284,22 @@ class EagleProposer(Proposer):
             return -math.inf
         return math.log(MIN_PATH_PROBABILITY / self.budget.calibration)
 
-    def _merge(self, nodes: Nodes, chain: list[int], rate: float) -> None:
-        # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = rate ** depth
-        nodes.merge_chain(chain, rate, math.log(self.budget.calibration))
+    def _merge(self, nodes: Nodes, chain: list[int], reach: list[float]) -> None:
+        # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = reach[depth - 1]
+        nodes.merge_chain(chain, reach, math.log(self.budget.calibration))
 
-    def _grow(self, root_token: int, max_len: int, chain: list[int], rate: float) -> Nodes:
+    def _grow(self, root_token: int, max_len: int, chain: list[int], reach: list[float]) -> Nodes:
         m = self.m
         nodes = Nodes(root_token, self.last_output)
         root_logp = m.log_probs(self.last_lm_input[None])[0]
         if m.choices is not None:
             nodes = self._grow_static(nodes, root_logp, max_len)
-            self._merge(nodes, chain, rate)
+            self._merge(nodes, chain, reach)
             return nodes
         level = self._add_children(nodes, 0, root_logp, list(range(m.top_k)))
         # the lookup chain joins before the head's deeper levels: a good chain raises the rate that each further
         # level must beat, so the head stops drafting where the lookup already covers the step
-        self._merge(nodes, chain, rate)
+        self._merge(nodes, chain, reach)
         for _ in range(max_len - 1):
             expand = sorted(level, key=lambda n: -nodes.scores[n])[: m.top_k]
             if not self.budget.worth_another_level(nodes, expand):

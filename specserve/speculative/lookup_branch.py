@@ -1,37 +1,40 @@
 """Lookup chains as a branch of a drafted tree: prompt lookup (EAGLE's `prompt_lookup_branch`, `eagle3+ngram`: the
 n-gram continuation of the sequence, as `ngram` drafts it) or suffix decoding (`suffix_branch`, `eagle3+suffix`: the
 best chain of the request's suffix trie and the model's response cache, as `suffix` drafts it), per request, and
-how often such chains turned out right."""
+how often such chains turned out right, by position."""
 
 from __future__ import annotations
 
+from specserve.speculative.acceptance import AcceptanceByEvidence
 from specserve.speculative.ngram import NGramIndex, common_prefix_length
 from specserve.speculative.suffix import SuffixProposer
 
 
 class LookupBranch:
-    """Prompt lookup for one request inside EAGLE trees, with its running accuracy per n-gram length: of the
-    lookup tokens whose predecessors were right, how many the target then produced (judged against the tokens
-    committed next, whether or not the budget verified them)."""
+    """Prompt lookup for one request inside EAGLE trees, with the acceptance of its chains by position (the first
+    token's rate and each later one's given its predecessor, as `ngram`'s draft-length choice keeps them: a chain
+    right at its first token is usually right for many more), per n-gram length, judged against the tokens
+    committed next whether or not the budget verified them. A request's estimates start from the method's pool."""
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, pool: AcceptanceByEvidence | None = None):
         self.min_n, self.max_n = min_n, max_n
-        self.right = {n: 1.0 for n in range(min_n, max_n + 1)}  # a prior of 1 right in 2
-        self.judged = {n: 2.0 for n in range(min_n, max_n + 1)}
+        self.acceptance = AcceptanceByEvidence(pool)
         self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
         self.index = NGramIndex(min_n, max_n)
 
-    def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], float]:
-        """The continuation (empty: no n-gram recurs) and its per-token accuracy estimate."""
+    def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], list[float]]:
+        """The continuation (empty: no n-gram recurs) and, per depth d, the chance its first d tokens are right."""
         if self.last is not None:
             start, n, chain = self.last
             committed = tokens[start:]
-            right = common_prefix_length(chain, committed)
-            self.right[n] += right
-            self.judged[n] += min(len(chain), right + 1, len(committed))
+            self.acceptance.update(min(len(chain), len(committed)), common_prefix_length(chain, committed), n)
         n, chain = self.lookup(tokens, max_len)
         self.last = (len(tokens), n, chain) if chain else None
-        return chain, (self.right[n] / self.judged[n] if chain else 0.0)
+        return chain, self.acceptance[n].path_probabilities(len(chain)) if chain else []
+
+    def has_chain(self, tokens: list[int]) -> bool:
+        """Whether a lookup would find a chain to follow `tokens` now."""
+        return bool(self.lookup(tokens, 1)[1])
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
         """The chain and the bucket its accuracy is counted in (prompt lookup: the n-gram's length)."""
@@ -44,8 +47,8 @@ class LookupBranch:
 class SuffixBranch(LookupBranch):
     """Suffix decoding's best chain as the branch, its accuracy counted in one bucket."""
 
-    def __init__(self, proposer: SuffixProposer):
-        super().__init__(1, 1)
+    def __init__(self, proposer: SuffixProposer, pool: AcceptanceByEvidence | None = None):
+        super().__init__(1, 1, pool)
         self.proposer = proposer
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:

@@ -53,12 +53,13 @@ class Nodes:
         self.paths.append(self.paths[parent] + (rank,))
         return len(self.tokens) - 1
 
-    def merge_chain(self, chain: list[int], rate: float, offset: float) -> None:
+    def merge_chain(self, chain: list[int], reach: list[float], offset: float) -> None:
         """Hang a lookup chain below the root, sharing nodes that carry the same tokens; its node at depth d
-        scores d * log(rate) - offset (unless the node already scores higher)."""
+        scores log(reach[d - 1]) - offset (unless the node already scores higher): reach[d - 1] is the chance that
+        the chain's first d tokens are accepted."""
         node = 0
-        for depth, token in enumerate(chain, start=1):
-            score = depth * math.log(rate) - offset
+        for token, chance in zip(chain, reach):
+            score = math.log(chance) - offset
             same = self.child(node, token)
             if same is not None:
                 node = same
@@ -184,14 +185,15 @@ class TreeBudget:
             expected = 1.0 + self.calibration * sum(math.exp(nodes.scores[n]) for n in keep)
             self.head_rate = expected / (self.verify_seconds(len(keep) + 1) + head_seconds)
 
-    def lookup_alone_pays(self, chain: list[int], rate: float) -> bool:
-        """Whether verifying the lookup chain alone promises at least the tokens/s of the last head-drafted tree
-        (measured costs only): then a step skips the head, which would cost a step's drafting."""
-        if not chain or self.verify_seconds is None or self.head_rate is None:
+    def lookup_alone_pays(self, reach: list[float]) -> bool:
+        """Whether verifying the lookup chain alone (reach[d - 1]: the chance its first d tokens are accepted)
+        promises at least the tokens/s of the last head-drafted tree (measured costs only): then a step skips the
+        head, which would cost a step's drafting."""
+        if not reach or self.verify_seconds is None or self.head_rate is None:
             return False
         expected = 1.0
         best = 0.0
-        for depth in range(1, len(chain) + 1):
-            expected += rate ** depth
+        for depth, chance in enumerate(reach, start=1):
+            expected += chance
             best = max(best, expected / self.verify_seconds(depth + 1))
         return best >= self.head_rate

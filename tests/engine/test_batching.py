@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specserve.engine.batch import BatchEngine
-from specserve.engine.draft_length import Acceptance, AcceptanceByEvidence, ShadowDraft, expected_tokens
+from specserve.engine.draft_length import ShadowDraft
 from specserve.engine.engine import Engine
+from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod, NGramProposer

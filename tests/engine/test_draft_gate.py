@@ -162,3 +162,43 @@ def test_one_slow_reading_of_the_cheap_step_does_not_keep_a_losing_head_drafting
             gate.observe(False, 1, 0, 0.0, verify, step_seconds=next(readings, 0.010))
     assert sum(drafted[:40]) > 20  # the slow reading opened it
     assert sum(drafted[100:]) <= 2 * PROBE_STEPS
+
+
+def test_a_gate_sharing_its_request_times_the_catch_up_too():
+    """Beside another gate of the same request (Proposer.situation), the head's catch-up on the steps the other
+    gate's kind skipped is part of every drafted step of this kind: learnt from the first drafted step on."""
+    gate = DraftGate(GatePool(), times_catch_up=True)
+    gate.decide(verify)
+    gate.observe(True, 2, 4, 0.006, verify)
+    assert gate.full.draft_seconds == 0.006
+
+
+def test_each_kind_of_step_has_its_own_gate():
+    """A lookup branch's steps with a chain (the chain is the cheap step) and without one (a plain step is) are
+    gated apart: lookup chains that beat the merged tree close the head where they exist and not where only the
+    head has something to draft."""
+    from types import SimpleNamespace
+
+    from specserve.engine.batch import BatchEngine
+
+    class Proposer:
+        def __init__(self):
+            self.chain = True
+
+        def situation(self, tokens):
+            return self.chain
+
+    class Request:  # hashed by identity, as a Sequence
+        proposer, context, params = Proposer(), [1, 2, 3], SimpleNamespace(seed=None)
+
+    batch = SimpleNamespace(gates={}, step_gates={}, gate_pools={})
+    seq = Request()
+    with_chain = BatchEngine._gate(batch, seq)
+    run(with_chain, 100, accepted=0)  # the merged tree never beats the chain: closed
+    seq.proposer.chain = False
+    without = BatchEngine._gate(batch, seq)
+    assert without is not with_chain and batch.step_gates[seq] is without and without.times_catch_up
+    assert run(without, 20, accepted=3) == [True] * 20  # the head pays where there is no chain
+    seq.proposer.chain = True
+    assert BatchEngine._gate(batch, seq) is with_chain and not with_chain.decide(verify)
+    assert set(batch.gate_pools) == {True, False}

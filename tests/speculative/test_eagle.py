@@ -21,6 +21,7 @@ from specserve.speculative.eagle import EagleHead, HeadCache, load_eagle, new_ea
 from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer
 from specserve.speculative.tree_budget import Nodes
 from specserve.speculative.eagle_kernels import KernelHead
+from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence
 from specserve.speculative.lookup_branch import LookupBranch
 from specserve.speculative.registry import label, parse_method
 from specserve.speculative.tree_budget import TreeBudget
@@ -208,7 +209,7 @@ def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path, monkeypatch):
     choices = []
     decide = TreeBudget.lookup_alone_pays
     monkeypatch.setattr(TreeBudget, "lookup_alone_pays",
-                        lambda self, chain, rate: choices.append(decide(self, chain, rate)) or choices[-1])
+                        lambda self, reach: choices.append(decide(self, reach)) or choices[-1])
     for prompt in PROMPTS + [REPEATING]:
         params = SamplingParams(max_tokens=30)
         assert engine.generate(prompt, params).token_ids == Engine(target).generate(prompt, params).token_ids
@@ -220,7 +221,7 @@ def test_lookup_chain_merges_into_the_tree():
     a = nodes.add(0, 7, -0.1, 0)
     b = nodes.add(a, 8, -3.0, 0)
     nodes.add(0, 9, -1.0, 1)
-    nodes.merge_chain([7, 8, 4, 6], rate=0.5, offset=0.0)
+    nodes.merge_chain([7, 8, 4, 6], reach=[0.5 ** d for d in range(1, 5)], offset=0.0)
     assert nodes.looked_up == 2  # 7 and 8 were drafted by the head already
     assert nodes.scores[a] == -0.1 and nodes.scores[b] == pytest.approx(2 * math.log(0.5))  # the better score
     tree = nodes.tree(list(range(1, len(nodes.tokens))))
@@ -233,15 +234,39 @@ def test_lookup_chain_merges_into_the_tree():
     assert nodes.add(b, 3, -0.5, 1) == len(nodes.tokens) - 1  # a new token is a new node
 
 
-def test_lookup_accuracy_is_judged_on_the_committed_tokens():
-    lookup = LookupBranch(1, 3)
+def test_lookup_acceptance_is_judged_on_the_committed_tokens_by_position():
+    pool = AcceptanceByEvidence.pooled()
+    lookup = LookupBranch(1, 3, pool)
     tokens = [1, 2, 3, 4, 1, 2]
-    chain, rate = lookup.propose(tokens, 3)
-    assert (chain, rate) == ([3, 4, 1], 0.5)  # "1 2" recurs; the prior before any evidence
-    # the target then produced 3, 4, 9: two lookup tokens right, the third wrong
-    chain, rate = lookup.propose(tokens + [3, 4, 9], 3)
-    assert lookup.right[2] == 1 + 2 and lookup.judged[2] == 2 + 3
-    assert chain == [] and rate == 0.0  # "4 9" / "9" never occurred before
+    chain, reach = lookup.propose(tokens, 3)
+    prior = Acceptance()
+    assert chain == [3, 4, 1]  # "1 2" recurs
+    assert reach == pytest.approx(prior.path_probabilities(3))  # the prior before any evidence
+    # the target then produced 3, 4, 9: the first lookup token right, the second right after it, the third wrong
+    chain, reach = lookup.propose(tokens + [3, 4, 9], 3)
+    seen = Acceptance()
+    seen.update(3, 2)
+    assert lookup.acceptance[2].first.value == pytest.approx(seen.first.value)
+    assert lookup.acceptance[2].further.value == pytest.approx(seen.further.value)
+    assert seen.first.value > prior.first.value and seen.further.value < prior.further.value
+    assert pool[2].first.value > prior.first.value  # the method's pool learnt it too
+    assert chain == [] and reach == []  # "4 9" / "9" never occurred before
+    # a chain that only ever fails at its first token is soon scored below one right from the start
+    for _ in range(10):
+        lookup.acceptance.update(3, 0, 1)
+    assert lookup.acceptance[1].path_probabilities(1)[0] < lookup.acceptance[2].path_probabilities(1)[0]
+
+
+def test_lookup_chain_scores_value_long_chains_right_after_their_first_token():
+    """Lookup chains right at their first token are right for long: scored by position, a chain's deep nodes
+    keep their chance where one per-token rate would have cut them."""
+    acceptance = Acceptance()
+    for _ in range(20):
+        acceptance.update(6, 0)
+        acceptance.update(6, 6)
+    reach = acceptance.path_probabilities(6)
+    assert reach[0] == pytest.approx(acceptance.first.value)
+    assert reach[5] / reach[4] == pytest.approx(acceptance.further.value) and reach[5] > 0.5 ** 6
 
 
 def test_lookup_branch_config_and_names(tmp_path):
@@ -592,7 +617,7 @@ def test_budget_ranking_is_reused_only_for_the_same_tree():
     first = nodes.add(0, 5, math.log(0.5), 0)
     second = nodes.add(0, 6, math.log(0.3), 1)
     assert budget.best(nodes)[0] == [first, second]
-    nodes.merge_chain([6], rate=0.9, offset=0.0)  # the lookup chain shares node `second`, now scoring log 0.9
+    nodes.merge_chain([6], reach=[0.9], offset=0.0)  # the lookup chain shares node `second`, now scoring log 0.9
     assert budget.best(nodes)[0] == [second, first]
     third = nodes.add(second, 7, math.log(0.99), 0)
     assert budget.best(nodes)[0] == [second, third]
