@@ -176,8 +176,8 @@ class BatchEngine:
                 accepted = seq.metrics.total_accepted_draft_tokens - accepted
                 self.draft_length.record(seq, drafted, accepted, proposal)
                 if self.gated and seq in self.step_gates:
-                    self.step_gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds, verify,
-                                            None if reproducible(seq) else shares.get(id(proposal)))
+                    self.step_gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds,
+                                                 verify, None if reproducible(seq) else shares.get(id(proposal)))
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)

@@ -18,9 +18,9 @@ lookups of that n-gram length were right at their first token and, their predece
 (`acceptance.py`, the request's own and the method's over requests), so the budget weighs it against the head's
 nodes; with measured costs, a step whose chain alone promises the tokens/s of the last head-drafted tree skips
 the head. Head and lookup catch different tokens (the head: the target's style; lookup: text copied from the
-prompt or repeated), and both are deterministic candidates, so verification stays lossless. With `suffix` instead (`eagle3+suffix`), the branch is suffix
-decoding's best chain (`suffix.py`: the request's own text and the model's cache of earlier responses), judged the
-same way.
+prompt or repeated), and both are deterministic candidates, so verification stays lossless. With `suffix` instead
+(`eagle3+suffix`), the branch is suffix decoding's best chain (`suffix.py`: the request's own text and the model's
+cache of earlier responses), judged the same way.
 """
 
 from __future__ import annotations
@@ -120,10 +120,12 @@ class EagleMethod(SpecMethod):
         return EagleProposer(self, capacity, params)
 
     def branch(self, params, capacity: int) -> LookupBranch | None:
-        """A request's lookup branch, if the trees have one."""
+        """A request's lookup branch, if the trees have one. A seeded request's learns from its own tokens only, so
+        that its drafts, and so the random numbers its verification draws, do not depend on earlier requests."""
+        pool = self.lookup_pool if params.seed is None else None
         if self.suffix is not None:
-            return SuffixBranch(self.suffix.new_proposer(params, None, capacity), self.lookup_pool)
-        return LookupBranch(*self.lookup, self.lookup_pool) if self.lookup else None
+            return SuffixBranch(self.suffix.new_proposer(params, None, capacity), pool)
+        return LookupBranch(*self.lookup, pool) if self.lookup else None
 
     def reset(self) -> None:
         self.lookup_pool = AcceptanceByEvidence.pooled()

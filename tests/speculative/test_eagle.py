@@ -216,6 +216,14 @@ def test_lookup_branch_with_budget_is_lossless(loaded, tmp_path, monkeypatch):
     assert True in choices and False in choices
 
 
+def test_a_seeded_request_s_lookup_branch_learns_from_its_own_tokens_only(loaded, tmp_path):
+    target = loaded("gemma3")
+    head = save_random(target, "eagle3", tmp_path / "h")
+    method = engine_for(target, "eagle3", head, 5, adaptive=True, prompt_lookup_branch=True).method
+    assert method.branch(SamplingParams(), 64).acceptance.pool is method.lookup_pool
+    assert method.branch(SamplingParams(seed=3), 64).acceptance.pool is None
+
+
 def test_lookup_chain_merges_into_the_tree():
     nodes = Nodes(5, torch.zeros(1))
     a = nodes.add(0, 7, -0.1, 0)
