@@ -26,7 +26,9 @@ of identical code. Outputs checked bit-identical.
 each method (default config), the builds alternated prompt by prompt; outputs checked equal, tokens/s per build.
 
 Each case reports the median over `--rounds` of the median of a few timed calls; the machine's noise between runs
-is larger than between the two builds of one run, which is why they alternate.
+is larger than between the two builds of one run, which is why they alternate. The installed build and the one
+compiled here can differ by a few percent on identical source (`linear` and `forward` alike): run it twice with the
+builds in both roles (install the other revision, pass this one's csrc) and trust a change that shows in both.
 """
 
 from __future__ import annotations
