@@ -28,6 +28,17 @@ class RequestMetrics:
         return self.output_tokens / self.target_forwards if self.target_forwards else 0.0
 
     @property
+    def drafted_steps(self) -> int:
+        """Steps that verified a draft."""
+        return self.drafts_per_position[0] if self.drafts_per_position else 0
+
+    @property
+    def undrafted_steps(self) -> int:
+        """Decoding steps that verified no draft, as the speculation policy chose (nothing to look up, a draft gate
+        closed, a draft length of 0 under load); the step that follows the prefill is not one of them."""
+        return max(self.target_forwards - 1 - self.drafted_steps, 0)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
@@ -48,6 +59,8 @@ class RequestMetrics:
         data.update(
             acceptance_rate=self.acceptance_rate,
             acceptance_length=self.acceptance_length,
+            drafted_steps=self.drafted_steps,
+            undrafted_steps=self.undrafted_steps,
             tokens_per_s=self.tokens_per_s,
         )
         return data

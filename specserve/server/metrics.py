@@ -69,6 +69,11 @@ class ServerMetrics:
                                         registry=r)
         self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                                            labels, registry=r)
+        self.undrafted_steps = Counter(
+            "specserve_spec_decode_undrafted_steps",
+            "Decoding steps that verified no draft, as the speculation policy chose (nothing to look up, a draft gate "
+            "closed, a draft length of 0 under load): with vllm:spec_decode_num_drafts, how often it speculated",
+            labels, registry=r)
         self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted tokens per draft position.", labels + ["position"], registry=r)
         self.mean_acceptance_length = Gauge(
@@ -140,7 +145,7 @@ class ServerMetrics:
             self._add("nv_inference_compute_input_duration_us", key, prefill)
             self._add("nv_inference_compute_infer_duration_us", key, compute - prefill)
             self._add("nv_inference_compute_output_duration_us", key, 0.0)
-            drafts = m.drafts_per_position[0] if m.drafts_per_position else 0
+            drafts = m.drafted_steps
             totals = self._drafts[model]
             totals[0] += drafts
             totals[1] += m.total_accepted_draft_tokens
@@ -155,6 +160,7 @@ class ServerMetrics:
         self.request_success.labels(model, result.finish_reason).inc()
         self.num_drafts.labels(model).inc(drafts)
         self.num_draft_tokens.labels(model).inc(m.total_draft_tokens)
+        self.undrafted_steps.labels(model).inc(m.undrafted_steps)
         self.num_accepted_tokens.labels(model).inc(m.total_accepted_draft_tokens)
         for position, accepted in enumerate(m.accepted_per_position):
             self.accepted_per_pos.labels(model, str(position)).inc(accepted)

@@ -65,7 +65,9 @@ def test_counters_follow_requests(server):
     assert drafted > 0
     assert delta("vllm:spec_decode_num_draft_tokens_total", model_name="tensorrt_llm") == drafted
     assert delta("vllm:spec_decode_num_accepted_tokens_total", model_name="tensorrt_llm") == accepted
-    assert delta("vllm:spec_decode_num_drafts_total", model_name="tensorrt_llm") > 0
+    drafts = delta("vllm:spec_decode_num_drafts_total", model_name="tensorrt_llm")
+    undrafted = delta("specserve_spec_decode_undrafted_steps_total", model_name="tensorrt_llm")
+    assert drafts > 0 and undrafted >= 0 and drafts + undrafted <= 3 * 23  # 24 tokens: at most 23 decoding steps
     per_pos = delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="tensorrt_llm")
     assert per_pos == accepted
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tensorrt_llm",position="0"}' in after
