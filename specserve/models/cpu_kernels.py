@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from typing import Callable
 
 import torch
 
@@ -179,14 +180,14 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor | None, n
 
 # The decoder layers in one call (kernel_forward.py builds them; see the C++ for what each field is).
 
-def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None):
-    """A LayerStack linear computing small_linear(x, weight, bias)."""
-    return _require().bf16_linear(weight, bias)
+def bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_fp32: bool = False):
+    """A LayerStack linear computing small_linear(x, weight, bias, out_fp32)."""
+    return _require().bf16_linear(weight, bias, out_fp32)
 
 
-def packed_linear(args: tuple[list, ...], bias: torch.Tensor | None):
-    """A LayerStack linear computing quant.packed_matmul(x, args, bias) (args: quant.kernel_args)."""
-    return _require().packed_linear(*args, bias)
+def packed_linear(args: tuple[list, ...], bias: torch.Tensor | None, out_fp32: bool = False):
+    """A LayerStack linear computing quant.packed_matmul(x, args, bias, out_fp32) (args: quant.kernel_args)."""
+    return _require().packed_linear(*args, bias, out_fp32)
 
 
 def stack_layer(**fields):
@@ -194,9 +195,11 @@ def stack_layer(**fields):
     return _require().StackLayer(**fields)
 
 
-def layer_stack(layers: list):
-    """The layers as one C++ call per forward (packed linears call quant_linear directly)."""
-    return _require().LayerStack(layers)
+def layer_stack(layers: list, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """The layers as one C++ call per forward (packed linears call quant_linear directly). `reduce`: a
+    tensor-parallel rank's all-reduce of its fp32 partial sums of o and down (built with out_fp32), called twice a
+    layer."""
+    return _require().LayerStack(layers, reduce)
 
 
 def attention_masks(lengths: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

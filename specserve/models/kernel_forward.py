@@ -14,9 +14,9 @@ model); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop o
 the tests hold the C++ loop to, bit for bit.
 
 Under tensor parallelism (specserve/parallel) a layer's o and down projections give this rank's partial sums in
-fp32; the attention's and MLP's `reduce` hooks add the ranks' partials (an all-reduce) before the one rounding to
-bf16, so the sum is rounded once, as the unsharded layer rounds its dot products. The C++ loop has no place for
-the all-reduce, so a sharded model runs the Python loop.
+fp32; the attention's and MLP's `reduce` hook (the group's all-reduce) adds the ranks' partials before the one
+rounding to bf16, so the sum is rounded once, as the unsharded layer rounds its dot products. The C++ loop calls
+the same hook between its kernels.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def row_invariant_linear(layer, out_fp32: bool = False) -> Linear:
     return lambda x: cpu_kernels.small_linear(x, weight, bias, out_fp32)
 
 
-def stack_linear(layer):
+def stack_linear(layer, out_fp32: bool = False):
     """The same linear as a LayerStack's (see row_invariant_linear)."""
     args, weight, bias = linear_weights(layer)
-    return cpu_kernels.packed_linear(args, bias) if args is not None else cpu_kernels.bf16_linear(weight, bias)
+    if args is not None:
+        return cpu_kernels.packed_linear(args, bias, out_fp32)
+    return cpu_kernels.bf16_linear(weight, bias, out_fp32)
 
 
 class KernelLayer:
@@ -125,8 +127,9 @@ class KernelLayer:
         norm = self.norm
         return cpu_kernels.stack_layer(
             qkv=[stack_linear(linear) for linear in self.qkv_linears], qkv_sizes=self.qkv_sizes,
-            o=stack_linear(self.o_linear), gate_up=[stack_linear(linear) for linear in self.gate_up_linears],
-            down=stack_linear(self.down_linear), q_norm=norm["q"], k_norm=norm["k"],
+            o=stack_linear(self.o_linear, out_fp32=self.reduce_attention is not None),
+            gate_up=[stack_linear(linear) for linear in self.gate_up_linears],
+            down=stack_linear(self.down_linear, out_fp32=self.reduce_mlp is not None), q_norm=norm["q"], k_norm=norm["k"],
             post_attention=norm["post_attention"], pre_feedforward=norm["pre_feedforward"],
             post_feedforward=norm["post_feedforward"], next_norm=norm["next"], eps=self.eps, scale=self.scale,
             gemma=self.gemma, gelu=self.gelu, cache_index=self.index, kind=kind)
@@ -140,7 +143,10 @@ class KernelPlan:
         norms = [layer.input_layernorm for layer in layers[1:]] + [model.model.norm]
         self.layers = [KernelLayer(layer, next_norm) for layer, next_norm in zip(layers, norms)]
         self.layer_types = list(dict.fromkeys(layer.layer_type for layer in self.layers))
-        self.sharded = any(layer.reduce_attention is not None for layer in self.layers)  # needs the Python loop
+        reduces = {hook for layer in self.layers for hook in (layer.reduce_attention, layer.reduce_mlp)}
+        if len(reduces) != 1:
+            raise ValueError("the layers of a model are all sharded with one all-reduce, or none is")
+        self.reduce = reduces.pop()
         self._stack = None
 
     def current(self) -> bool:
@@ -151,14 +157,14 @@ class KernelPlan:
         if self._stack is None:
             kinds = {layer_type: kind for kind, layer_type in enumerate(self.layer_types)}
             layers = [layer.stack_layer(kinds[layer.layer_type]) for layer in self.layers]
-            self._stack = cpu_kernels.layer_stack(layers)
+            self._stack = cpu_kernels.layer_stack(layers, self.reduce)
         return self._stack
 
     def run(self, x, normed, rope, masks, cache, slots, output_layers) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """(the final norm of the last layer's output, {i: layer i's output for i in output_layers}) for the
         residual stream x [B, T, H], normed = the first layer's input norm of it; `rope` and `masks` map each
         layer type to its (cos, sin) and mask."""
-        loop = "python" if self.sharded else os.environ.get(LAYER_LOOP) or "cpp"
+        loop = os.environ.get(LAYER_LOOP) or "cpp"
         if loop == "cpp":
             return self._run_stack(x, normed, rope, masks, cache, slots, output_layers)
         if loop == "python":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
+from specserve.models.kernel_forward import LAYER_LOOP, kernel_plan
 from specserve.models.kv_cache import KVCache
 from specserve.parallel.launch import load_tensor_parallel
 from specserve.speculative.sampling import SamplingParams
@@ -33,6 +34,23 @@ def test_rows_1_to_64_give_the_same_logits_bit_for_bit(tp2_bf16):
     every = logits(64)
     for rows in range(1, 64):
         assert torch.equal(logits(rows), every[:rows]), rows
+
+
+def test_cpp_layer_loop_reduces_as_the_python_loop(tp2_bf16, monkeypatch):
+    """Rank 0's C++ layer loop, which calls the all-reduce between its kernels, gives the reference loop's bits."""
+    model = tp2_bf16.model
+    assert kernel_plan(model.local).reduce is not None
+    tokens = torch.randint(0, model.spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(9)[None].expand(2, -1)
+
+    def forward(loop: str):
+        monkeypatch.setenv(LAYER_LOOP, loop)
+        cache = KVCache.for_model(model, 2, 16)
+        return model(tokens, positions, cache, positions, output_layers=(0, -1))
+
+    cpp, python = forward("cpp"), forward("python")
+    assert torch.equal(cpp.logits, python.logits)
+    assert all(torch.equal(cpp.hidden_states[i], python.hidden_states[i]) for i in (0, -1))
 
 
 def test_ngram_equals_plain_decoding_on_the_kernels(tp2_bf16):
