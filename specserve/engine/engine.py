@@ -153,6 +153,10 @@ class Engine:
         """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
         return len(prompt_ids) + params.max_tokens + self.draft_slots
 
+    def open_batch(self, max_active: int, adaptive_draft: bool = True) -> BatchEngine:
+        """A continuous batch of up to `max_active` requests over this engine (the server's runner steps it)."""
+        return BatchEngine(self, max_active, adaptive_draft=adaptive_draft)
+
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[StreamEvent]:
         """One request through a one-row batch engine, the server's step, kept across requests. With
         `adaptive_draft_len` each step drafts the length with the most expected tokens per second (the target's

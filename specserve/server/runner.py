@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.batch import BatchEngine, StreamBatch
+from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine, RequestError
 from specserve.engine.output import StreamEvent
 from specserve.server.compute import COMPUTE
@@ -208,7 +208,7 @@ class Runner:
 
     SLICE_SECONDS = 0.05  # steps run back to back on the compute thread before other runners get a turn
 
-    def __init__(self, engine, max_queue_size: int = 64, name: str = "model",
+    def __init__(self, engine: Engine, max_queue_size: int = 64, name: str = "model",
                  step_lock: threading.Lock | None = None, max_active: int = DEFAULT_MAX_ACTIVE,
                  adaptive_draft: bool = True):
         self.engine = engine
@@ -291,14 +291,7 @@ class Runner:
             prompt_ids = list(prompt)
         else:
             raise RequestError("prompt must be a string or a list of token ids")
-        check = getattr(self.engine, "check_request", None)
-        if check is not None:
-            return prompt_ids, check(prompt_ids, params)
-        try:
-            params.validate()
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        return prompt_ids, None
+        return prompt_ids, self.engine.check_request(prompt_ids, params)
 
     def _drop(self, handle: RequestHandle) -> None:
         with self._cv:
@@ -313,11 +306,8 @@ class Runner:
 
     def _work(self) -> None:
         """Continuous batching: wait for work, then hand the compute thread a slice of steps to run."""
-        if isinstance(self.engine, Engine):
-            batch = COMPUTE.run(BatchEngine, self.engine, self.max_active, adaptive_draft=self.adaptive_draft)
-        else:
-            batch = StreamBatch(self.engine)
-        self.batch_stats = getattr(batch, "stats", None)
+        batch = COMPUTE.run(self.engine.open_batch, self.max_active, adaptive_draft=self.adaptive_draft)
+        self.batch_stats = batch.stats
         while True:
             with self._cv:
                 while not self._queue and not self._owners and not self._closing:

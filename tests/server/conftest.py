@@ -12,6 +12,7 @@ import pytest
 
 from specserve.server.app import SpecServer
 from specserve.server.repository import ModelRepository
+from tests.server.stream_batch import StreamBatch
 
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
@@ -106,6 +107,9 @@ class SlowEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+    def open_batch(self, max_active: int, adaptive_draft: bool = True) -> StreamBatch:
+        return StreamBatch(self)  # steps this engine's own stream, one request at a time
 
     def stream(self, prompt, params):
         """A prompt containing "boom" fails after two events (mid-stream errors)."""

@@ -13,6 +13,7 @@ from specserve.engine.output import StreamEvent
 from specserve.engine.request import GenerationResult, RequestMetrics
 from specserve.server.runner import QueueFullError, RequestCancelledError, Runner, RunnerClosedError
 from specserve.speculative.sampling import SamplingParams
+from tests.server.stream_batch import StreamBatch
 
 
 class FakeEngine:
@@ -37,6 +38,9 @@ class FakeEngine:
             raise RequestError(str(exc)) from None
         if len(ids) > 50:
             raise RequestError("prompt too long")
+
+    def open_batch(self, max_active: int, adaptive_draft: bool = True) -> StreamBatch:
+        return StreamBatch(self)
 
     def stream(self, prompt, params):
         self.order.append("".join(chr(i) for i in prompt))
