@@ -154,7 +154,7 @@ class BatchEngine:
         started = time.perf_counter()
         draft_len = self.draft_length.choose(self.rows)
         verify = self._verify_share(len(self.rows))
-        cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq).decide(verify))
+        cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq, draft_len).decide(verify))
         failed = self.engine.draft(self.rows, draft_len, cheap)  # a failed proposer ends its request alone
         for seq, _ in failed:
             self._remove(seq)
@@ -232,9 +232,9 @@ class BatchEngine:
         slots = max((len(seq.tokens) + len(seq.pending) + len(seq.proposal.tokens) for seq in self.rows), default=0)
         self.cache.fit(len(self.rows), slots)
 
-    def _gate(self, seq: Sequence) -> DraftGate:
+    def _gate(self, seq: Sequence, draft_len: int) -> DraftGate:
         """The request's gate for the kind of step it is at (Proposer.situation), now its step's gate."""
-        situation = seq.proposer.situation(seq.context)
+        situation = seq.proposer.situation(seq.context, seq.draft_room(draft_len))
         key = (seq, situation)
         if key not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
             pool = GatePool() if reproducible(seq) else self.gate_pools.setdefault(situation, GatePool())

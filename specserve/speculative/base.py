@@ -62,8 +62,8 @@ class Proposer(ABC):
         (none by default; an EAGLE tree's lookup branch). Must leave the proposer able to draft in full later."""
         return Proposal.chain(tokens[-1], [])
 
-    def situation(self, tokens: list[int]) -> Hashable:
-        """The kind of step this one is, for the draft gate (`engine/draft_gate.py`), which weighs drafting in full
+    def situation(self, tokens: list[int], max_len: int) -> Hashable:
+        """The kind of step this one is (drafting up to `max_len` tokens), for the draft gate (`engine/draft_gate.py`), which weighs drafting in full
         against the cheap step apart for each kind: None (one kind) by default; an EAGLE tree with a lookup branch
         tells steps where the branch has a chain to offer (full: the merged tree, cheap: the chain) from steps
         where it has none (full: the head's tree, cheap: a plain step). One gate for both closed the head wherever

@@ -178,9 +178,9 @@ class EagleProposer(Proposer):
         if self.lookup is not None:
             self.lookup.request_finished(output)
 
-    def situation(self, tokens: list[int]) -> bool | None:
+    def situation(self, tokens: list[int], max_len: int) -> bool | None:
         """With a lookup branch: whether it has a chain to offer at this step (Proposer.situation)."""
-        return None if self.lookup is None else self.lookup.has_chain(tokens)
+        return None if self.lookup is None else self.lookup.has_chain(tokens, max(1, max_len))
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)

@@ -21,6 +21,7 @@ class LookupBranch:
         self.acceptance = AcceptanceByEvidence(pool)
         self.last: tuple[int, int, list[int]] | None = None  # (sequence length, n, chain) of the last lookup
         self.index = NGramIndex(min_n, max_n)
+        self._found: tuple[tuple, tuple[int, list[int]]] | None = None  # the last lookup, by what it was asked
 
     def propose(self, tokens: list[int], max_len: int) -> tuple[list[int], list[float]]:
         """The continuation (empty: no n-gram recurs) and, per depth d, the chance its first d tokens are right."""
@@ -28,13 +29,20 @@ class LookupBranch:
             start, n, chain = self.last
             committed = tokens[start:]
             self.acceptance.update(min(len(chain), len(committed)), common_prefix_length(chain, committed), n)
-        n, chain = self.lookup(tokens, max_len)
+        n, chain = self.find(tokens, max_len)
         self.last = (len(tokens), n, chain) if chain else None
         return chain, self.acceptance[n].path_probabilities(len(chain)) if chain else []
 
-    def has_chain(self, tokens: list[int]) -> bool:
-        """Whether a lookup would find a chain to follow `tokens` now."""
-        return bool(self.lookup(tokens, 1)[1])
+    def has_chain(self, tokens: list[int], max_len: int) -> bool:
+        """Whether a lookup finds a chain of up to `max_len` tokens to follow `tokens` now."""
+        return bool(self.find(tokens, max_len)[1])
+
+    def find(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
+        """`lookup`, done once for a step that asks twice (the draft gate's `has_chain`, then `propose`)."""
+        key = (len(tokens), tokens[-1] if tokens else None, max_len)
+        if self._found is None or self._found[0] != key:
+            self._found = (key, self.lookup(tokens, max_len))
+        return self._found[1]
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
         """The chain and the bucket its accuracy is counted in (prompt lookup: the n-gram's length)."""

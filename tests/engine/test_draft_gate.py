@@ -185,20 +185,23 @@ def test_each_kind_of_step_has_its_own_gate():
         def __init__(self):
             self.chain = True
 
-        def situation(self, tokens):
+        def situation(self, tokens, max_len):
             return self.chain
 
     class Request:  # hashed by identity, as a Sequence
         proposer, context, params = Proposer(), [1, 2, 3], SimpleNamespace(seed=None)
 
+        def draft_room(self, max_len):
+            return max_len
+
     batch = SimpleNamespace(gates={}, step_gates={}, gate_pools={})
     seq = Request()
-    with_chain = BatchEngine._gate(batch, seq)
+    with_chain = BatchEngine._gate(batch, seq, 4)
     run(with_chain, 100, accepted=0)  # the merged tree never beats the chain: closed
     seq.proposer.chain = False
-    without = BatchEngine._gate(batch, seq)
+    without = BatchEngine._gate(batch, seq, 4)
     assert without is not with_chain and batch.step_gates[seq] is without and without.times_catch_up
     assert run(without, 20, accepted=3) == [True] * 20  # the head pays where there is no chain
     seq.proposer.chain = True
-    assert BatchEngine._gate(batch, seq) is with_chain and not with_chain.decide(verify)
+    assert BatchEngine._gate(batch, seq, 4) is with_chain and not with_chain.decide(verify)
     assert set(batch.gate_pools) == {True, False}

@@ -265,6 +265,21 @@ def test_lookup_acceptance_is_judged_on_the_committed_tokens_by_position():
     assert lookup.acceptance[1].path_probabilities(1)[0] < lookup.acceptance[2].path_probabilities(1)[0]
 
 
+def test_a_step_looks_its_chain_up_once(monkeypatch):
+    """The draft gate asks whether the branch has a chain, then the step proposes it: one lookup for both, and a
+    new one when the tokens or the length asked for change."""
+    lookup = LookupBranch(1, 3)
+    calls = []
+    real = lookup.index.lookup
+    monkeypatch.setattr(lookup.index, "lookup", lambda tokens, max_len: calls.append(max_len) or real(tokens, max_len))
+    tokens = [1, 2, 3, 4, 1, 2]
+    assert lookup.has_chain(tokens, 3)
+    assert lookup.propose(tokens, 3)[0] == [3, 4, 1]
+    assert calls == [3]
+    assert lookup.propose(tokens, 2)[0] == [3, 4] and calls == [3, 2]
+    assert not lookup.has_chain(tokens + [9], 2) and calls == [3, 2, 2]
+
+
 def test_lookup_chain_scores_value_long_chains_right_after_their_first_token():
     """Lookup chains right at their first token are right for long: scored by position, a chain's deep nodes
     keep their chance where one per-token rate would have cut them."""
