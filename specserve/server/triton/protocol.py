@@ -87,6 +87,14 @@ def as_str(key: str, value) -> str:
     return value
 
 
+def as_id(key: str, value) -> int | str:
+    """A Triton sequence or request id: an integer or text."""
+    value = _unwrap(key, value)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"'{key}' must be an integer or a string, got {value!r}")
+    return value
+
+
 def as_str_list(key: str, value) -> list[str]:
     items = value if isinstance(value, list) else [value]
     flat = []
@@ -130,9 +138,10 @@ MUST_BE_ONE = {"sampling_param_best_of", "best_of", "n", "num_return_sequences",
 NEUTRAL_FLOATS = {"sampling_param_frequency_penalty": 0.0, "frequency_penalty": 0.0,
                   "sampling_param_presence_penalty": 0.0, "presence_penalty": 0.0, "min_p": 0.0,
                   "repetition_penalty": 1.0, "length_penalty": 1.0}
-IGNORED = {"pad_id", "model", "spaces_between_special_tokens", "detokenize", "priority", "timeout",
-           "binary_data_output", "triton_enable_empty_final_response", "sequence_id", "sequence_start",
-           "sequence_end", "cancellation_check_period_ms", "lora_name"}
+IGNORED = {**dict.fromkeys(("pad_id", "priority", "timeout", "cancellation_check_period_ms"), as_int),
+           **dict.fromkeys(("spaces_between_special_tokens", "detokenize", "binary_data_output", "sequence_start",
+                            "sequence_end", "triton_enable_empty_final_response"), as_bool),
+           "model": as_str, "lora_name": as_str, "sequence_id": as_id}  # inputs without effect, checked still
 UNSUPPORTED_INPUTS = {"image", "image_url", "lora_id", "lora_path", "lora_ckpt_source", "lora_task_id",
                       "lora_weights", "lora_config", "embedding_request", "prompt_embedding_table",
                       "prompt_table_extra_id", "prompt_vocab_size", "decoder_text_input", "embedding_bias_words",
@@ -149,6 +158,14 @@ SETTINGS = {"max_tokens": as_int, "temperature": as_float, "top_p": as_float, "t
             "ignore_eos": as_bool, "exclude": as_bool, "streaming": as_bool, "stream": as_bool,
             "num_speculative_tokens": lambda key, value: as_int(key, value, 0), "suffix_cache": as_bool,
             "logprobs": lambda key, value: as_int(key, value, 0, MAX_LOGPROBS)}
+
+
+def _checked_only(key: str, value) -> bool:
+    """An input without effect here (IGNORED), still held to its type: InputError naming it otherwise."""
+    IGNORED[key](key, value)
+    return False
+
+
 # inputs accepted only at a neutral value: (names, refused(key, value), message)
 REFUSED = (
     (UNSUPPORTED_FLAGS, as_bool, "'{key}' is not supported by specserve (no logits or cache statistics)"),
@@ -162,7 +179,7 @@ REFUSED = (
     ({"include_stop_str_in_output"}, as_bool, "'include_stop_str_in_output' = true is not supported by specserve"),
     ({"prompt_logprobs"}, lambda key, value: value not in (None, 0, False),
      "'{key}' is not supported by specserve's Triton routes (OpenAI completions score prompts: echo + logprobs)"),
-    (IGNORED, lambda key, value: False, ""),
+    (IGNORED, _checked_only, ""),
     (UNSUPPORTED_INPUTS, lambda key, value: value not in (None, "", [], [""]),
      "input '{key}' is not supported by specserve"),
 )
@@ -220,7 +237,7 @@ def parse_generate(values: dict, model: ServedModel, rid: str = "") -> GenerateR
     values = _with_sampling_parameters(values)
     inputs = _Inputs()
     for key, value in values.items():
-        _read_input(inputs, key, value, model.name)
+        _read_input(inputs, key, value, model)
     _check_required(values, inputs, model)
     return _generate_request(inputs, model, rid)
 
@@ -239,7 +256,7 @@ def _with_sampling_parameters(values: dict) -> dict:
     return {**extra, **{k: v for k, v in values.items() if k != "sampling_parameters"}}
 
 
-def _read_input(inputs: _Inputs, key: str, value, model_name: str) -> None:
+def _read_input(inputs: _Inputs, key: str, value, model: ServedModel) -> None:
     target = ALIASES.get(key)
     if key == "text_input":
         if isinstance(value, list) and len(value) > 1:
@@ -247,8 +264,8 @@ def _read_input(inputs: _Inputs, key: str, value, model_name: str) -> None:
         inputs.prompt = as_str(key, value)
     elif target in SETTINGS:
         inputs.settings[target] = SETTINGS[target](key, value)
-    elif key == "stop" and isinstance(_first(value), bool):  # llmapi: BOOL = cancel; vLLM: stop strings
-        inputs.cancel = as_bool(key, value)
+    elif key == "stop" and (model.kind != VLLM or isinstance(_first(value), bool)):
+        inputs.cancel = as_bool(key, value)  # TRT-LLM's BOOL `stop` cancels; vLLM's `stop` holds stop strings
     elif target == "stop" or key == "stop":
         inputs.stop += as_str_list(key, value)
     elif key == "stop_token_ids":
@@ -262,7 +279,7 @@ def _read_input(inputs: _Inputs, key: str, value, model_name: str) -> None:
         if as_bool(key, value):
             inputs.returns.add("perf_metrics" if target == "return_perf_metrics" else key.removeprefix("return_"))
     elif not _accepted_at_neutral(key, value):
-        raise InputError(f"unexpected inference input '{key}' for model '{model_name}'")
+        raise InputError(f"unexpected inference input '{key}' for model '{model.name}'")
 
 
 def _accepted_at_neutral(key: str, value) -> bool:
