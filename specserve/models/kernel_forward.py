@@ -129,7 +129,8 @@ class KernelLayer:
             qkv=[stack_linear(linear) for linear in self.qkv_linears], qkv_sizes=self.qkv_sizes,
             o=stack_linear(self.o_linear, out_fp32=self.reduce_attention is not None),
             gate_up=[stack_linear(linear) for linear in self.gate_up_linears],
-            down=stack_linear(self.down_linear, out_fp32=self.reduce_mlp is not None), q_norm=norm["q"], k_norm=norm["k"],
+            down=stack_linear(self.down_linear, out_fp32=self.reduce_mlp is not None),
+            q_norm=norm["q"], k_norm=norm["k"],
             post_attention=norm["post_attention"], pre_feedforward=norm["pre_feedforward"],
             post_feedforward=norm["post_feedforward"], next_norm=norm["next"], eps=self.eps, scale=self.scale,
             gemma=self.gemma, gelu=self.gelu, cache_index=self.index, kind=kind)
