@@ -15,7 +15,7 @@ import torch
 
 from specserve.engine.output import StopChecker, StreamEvent
 from specserve.engine.request import GenerationResult, RequestMetrics
-from specserve.models.transformer import MAX_KERNEL_TOKENS
+from specserve.models.kernel_forward import MAX_KERNEL_TOKENS
 from specserve.speculative.base import Proposal
 from specserve.speculative.grammar import TokenGrammar, sub_probs, subtree
 from specserve.speculative.sampling import SamplingParams, TokenLogprobs, token_logprobs

@@ -22,15 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.models.kernel_forward import kernel_plan
+from specserve.models.kernel_forward import MAX_KERNEL_TOKENS, kernel_plan
 from specserve.models.kv_cache import KVCache
 from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear, screen_argmax
 from specserve.models.screen_choice import ScreenChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# Forwards of at most this many tokens per row (decoding, chain and tree verification, drafting) use the
-# row-invariant kernels; longer ones (prefill) use PyTorch's, which are faster there and whose rows nobody compares.
-MAX_KERNEL_TOKENS = 64
 GREEDY_SCREEN = "SPECSERVE_GREEDY_SCREEN"  # "0": greedy forwards compute the full logits
 # fp32 weights at least this big go through the AVX2 kernel when a forward has few rows (there it beats PyTorch's
 # GEMM at every size of a real model's layers and lm_head); tiny test models keep PyTorch's GEMM, which the tests
@@ -238,7 +235,7 @@ class Attention(nn.Module):
         return outputs
 
     def forward(self, x, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
-        """Attention with PyTorch's ops (prefill, and CPUs without the row-invariant kernels)."""
+        """Attention with PyTorch's ops (fp32 models, GPUs, CPUs without the row-invariant kernels)."""
         spec = self.spec
         bsz, seq, _ = x.shape
         q, k, v = self.project(x)
@@ -297,7 +294,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, True)
 
     def forward(self, x, cos, sin, cache, slots, mask):
-        """The layer with PyTorch's ops (prefill, and CPUs without the row-invariant kernels)."""
+        """The layer with PyTorch's ops (fp32 models, GPUs, CPUs without the row-invariant kernels)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, mask)
         if self.gemma:
             x = x + self.post_attention_layernorm(attn)
@@ -488,7 +485,9 @@ class CausalLM(nn.Module):
         where `greedy_screen` applies, the logits come back as GreedyChoices.
         """
         masks = cache.attention_masks(positions, slots, tree_mask, self.spec.sliding_window)
-        row_invariant = tokens.shape[1] <= MAX_KERNEL_TOKENS and self.kernels_usable
+        # the row-invariant kernels: any forward of <= MAX_KERNEL_TOKENS a row, and a longer causal one (a prefill,
+        # training's features) chunk by chunk
+        row_invariant = self.kernels_usable and (tokens.shape[1] <= MAX_KERNEL_TOKENS or tree_mask is None)
         rope = {kind: self.rope.lookup(positions, kind) for kind in masks}
         x = self.embed(tokens)
         hidden: dict[int, torch.Tensor] = {}

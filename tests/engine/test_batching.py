@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.draft_length import ShadowDraft
 from specserve.engine.engine import Engine
+from specserve.models.step_costs import StepCosts
 from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
@@ -97,7 +99,14 @@ def test_expected_tokens():
 
 # ---- the adaptive draft length keeps drafting where drafts pay ---------------------------------------------------
 
-CPU_LIKE_COSTS = [1.0, 1.1, 1.2, 1.5, 2.2, 3.8, 7.0]  # a small model on a CPU: a few more tokens cost little
+def on_sizes(points: dict[int, float]) -> list[float]:
+    """A step-cost table over StepCosts.SIZES, linear between the given sizes."""
+    sizes = sorted(points)
+    return [float(np.interp(size, sizes, [points[s] for s in sizes])) for size in StepCosts.SIZES]
+
+
+# a small model on a CPU: a few more tokens cost little
+CPU_LIKE_COSTS = on_sizes({1: 1.0, 2: 1.1, 4: 1.2, 8: 1.5, 16: 2.2, 32: 3.8, 64: 7.0})
 
 
 class ScriptedMethod(SpecMethod):
@@ -145,7 +154,7 @@ def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
 
 
 # drafting looks unprofitable at the prior acceptance (0.7 / 0.8), profitable at the real one (1.0)
-COSTS_AT_THE_EDGE = [1.0, 1.8, 2.8, 5.6, 11.2, 22.4, 44.8]
+COSTS_AT_THE_EDGE = on_sizes({1: 1.0, 2: 1.8, 4: 2.8, 8: 5.6, 16: 11.2, 32: 22.4, 64: 44.8})
 
 
 @pytest.mark.parametrize("free", [True, False])

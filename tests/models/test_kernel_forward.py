@@ -205,15 +205,40 @@ def test_logits_of_the_wanted_rows_alone_equal_the_padded_ones(family, bf16_mode
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kernel_forward_tracks_pytorch_ops(family, bf16_model):
-    """The same tokens through the kernels (<= 64 per forward) and through PyTorch's ops (a longer forward)."""
+def test_kernel_forward_tracks_pytorch_ops(family, bf16_model, monkeypatch):
+    """The same tokens through the kernels and through PyTorch's ops (the layers of models the kernels do not run)."""
     model = bf16_model(family).model
     tokens = torch.randint(3, 384, (1, 65))
     kernels = chain_logits(model, tokens, 1, [64])
     positions = torch.arange(65)[None]
+    monkeypatch.setattr(model, "_kernels_usable", False)
     pytorch = model(tokens, positions, KVCache.for_model(model, 1, 65), positions).logits[:, 1:]
     assert ((kernels - pytorch).norm() / pytorch.norm()) < 0.02
     assert (kernels.argmax(-1) == pytorch.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers too
+def test_a_long_forward_runs_the_kernels_in_chunks(family, bf16_model):
+    """A causal forward over 64 tokens a row (a prefill in one call, training's features) is the chunked prefill:
+    the same logits and hidden states, bit for bit, as forwards of 64 tokens, after a committed prefix and in a
+    batch."""
+    model = bf16_model(family).model
+    tokens = torch.randint(3, 384, (2, 170))
+    positions = torch.arange(170)[None].expand(2, -1)
+
+    def forwards(sizes: list[int]):
+        cache, start, outputs = KVCache.for_model(model, 2, 170), 0, []
+        for size in sizes:
+            rows = slice(start, start + size)
+            outputs.append(model(tokens[:, rows], positions[:, rows], cache, positions[:, rows], output_layers=(0, -1)))
+            start = cache.lengths[:] = rows.stop
+        return outputs[1:]  # after the prefix
+
+    whole, = forwards([20, 150])
+    chunks = forwards([20, 64, 64, 22])
+    assert torch.equal(whole.logits, torch.cat([c.logits for c in chunks], 1))
+    for layer in (0, -1):
+        assert torch.equal(whole.hidden_states[layer], torch.cat([c.hidden_states[layer] for c in chunks], 1))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
