@@ -1,7 +1,7 @@
 """The row-invariant forward of the decoder layers: every forward of at most MAX_KERNEL_TOKENS tokens per row
 (decoding, chain and tree verification, drafting, prefill chunks) on the bf16 CPU kernels. A longer causal forward
 runs in chunks of MAX_KERNEL_TOKENS, each seeing the ones before it through the cache, as the engine's chunked
-prefill does (on the default model a 512-token forward ran as fast as PyTorch's bf16 GEMMs or faster).
+prefill does.
 
 Per layer, nine calls: the q/k/v projection (one quantized call even when a GGUF mixes formats), `rope_store`
 (q/k norms, rope, the cache writes), attention, the o projection, `residual_norm` (the residual add and the norm

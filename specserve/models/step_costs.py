@@ -25,9 +25,8 @@ class StepCosts:
     `lm_head`, also the lm_head's share by rows of logits, so a forward whose padded rows get no logits
     (CausalLM's logits_counts) is priced as it runs."""
 
-    # The kernels' tiles take up to 8 rows, so 9 and 17 rows start another pass over the weights: a step up that
-    # interpolating between powers of two misses (on the default model, a forward of 9 tokens ran 1.28x one of 8,
-    # the lm_head 1.20x: an EAGLE tree of 8 nodes verifies 9 rows)
+    # The kernels' tiles take up to 8 rows, so 9 and 17 rows start another pass over the weights: a step up in cost
+    # that interpolating between powers of two misses (an EAGLE tree of 8 nodes verifies 9 rows)
     SIZES = (1, 2, 4, 8, 9, 16, 17, 32, 64)
 
     def __init__(self, model, rows: int, seconds: list[float] | None = None, lm_head: bool = False,
