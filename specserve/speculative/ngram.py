@@ -1,5 +1,6 @@
 """Prompt lookup (n-gram) speculation: the draft is what followed the latest earlier occurrence of the sequence's
-longest recurring suffix n-gram. No model, no training; it pays where outputs copy their prompt (code, edits)."""
+longest recurring suffix n-gram, continued as a loop where the text has just repeated. No model, no training; it
+pays where outputs copy their prompt (code, edits) or themselves."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class NGramIndex:
 
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
         """(n, continuation): the tokens that followed the most recent earlier occurrence of the longest suffix
-        n-gram (max_n down to min_n) of `tokens`, at most max_len of them, and that n; (0, []) if none recurs."""
+        n-gram (max_n down to min_n) of `tokens`, at most max_len of them, and that n; (0, []) if none recurs.
+        A match whose continuation runs into the end of `tokens` is continued as a loop (`loop_continuation`)."""
         self._index(tokens)
         length = len(tokens)
         if max_len <= 0 or length < self.min_n + 1:
@@ -36,7 +38,7 @@ class NGramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = self.follows[n].get(tuple(tokens[length - n:]))
             if start is not None:
-                return n, tokens[start:start + max_len]
+                return n, loop_continuation(tokens, start, n, max_len)
         return 0, []
 
     def _index(self, tokens: list[int]) -> None:
@@ -48,6 +50,18 @@ class NGramIndex:
                     follows[tuple(tokens[end + 1 - n:end + 1])] = end + 1
         self.ends = max(self.ends, len(tokens) - 1)
         self.last = tokens[self.ends - 1] if self.ends else None
+
+
+def loop_continuation(tokens: list[int], start: int, n: int, max_len: int) -> list[int]:
+    """Up to max_len tokens from tokens[start], where an n-gram ending at start - 1 equals the last n tokens. The
+    latest match of text in a loop of period p lies p tokens back, so it is followed by p tokens only (one in
+    "x x x x"). When p <= n the last n + p tokens already repeat with period p, and the draft goes on repeating
+    them (draft[j] = draft[j - p], the copy overlapping itself) up to max_len; a match further back keeps what
+    followed it."""
+    period = len(tokens) - start
+    if period > n:
+        return tokens[start:start + max_len]
+    return [tokens[start + j % period] for j in range(max_len)]
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

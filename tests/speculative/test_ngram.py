@@ -27,7 +27,13 @@ def ngram_lookup(tokens: list[int], max_len: int, min_n: int, max_n: int) -> tup
         hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten()
         if hits.numel():
             start = int(hits[-1]) + n
-            return n, tokens[start:start + max_len]
+            draft = []  # copied from `start` on; past the end, from the draft itself when the match is a loop's
+            for at in range(start, start + max_len):
+                if at < length:
+                    draft.append(tokens[at])
+                elif length - start <= n:
+                    draft.append(draft[at - length])
+            return n, draft
     return 0, []
 
 
@@ -46,6 +52,17 @@ def test_ngram_respects_bounds_and_misses():
     assert longest_ngram_continuation([1, 2, 3, 1, 2], 1, 1, 3) == [3]
     assert longest_ngram_continuation([1, 2, 3, 1, 2], 0, 1, 3) == []
     assert longest_ngram_continuation([7], 3, 1, 3) == []
+
+
+def test_ngram_continues_a_loop_it_has_seen_repeat():
+    # "4 4 4" last occurred one token back: it is followed by one 4, and the loop goes on
+    assert longest_ngram_continuation([9, 4, 4, 4, 4], 5, 1, 3) == [4, 4, 4, 4, 4]
+    # period 2: the last 3-gram [7, 8, 7] occurred two tokens back
+    assert longest_ngram_continuation([1, 7, 8, 7, 8, 7], 5, 1, 3) == [8, 7, 8, 7, 8]
+    assert longest_ngram_continuation([1, 7, 8, 7, 8, 7], 3, 1, 3) == [8, 7, 8]
+    # a match further back than its own length is no loop yet: what followed it, up to the end
+    assert longest_ngram_continuation([5, 6, 7, 5], 5, 1, 3) == [6, 7, 5]
+    assert longest_ngram_continuation([1, 2, 1], 5, 1, 1) == [2, 1]
 
 
 def test_ngram_method_validates_its_bounds():
