@@ -9,6 +9,7 @@ full HF checkpoint directory when one is wanted.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -21,6 +22,7 @@ from specserve.files import write_text_atomically
 from specserve.models import cpu_kernels, gguf_file, llama2c, quant
 from specserve.models.chat_template import end_of_turn_ids, resolve_chat_format
 from specserve.models.gguf_convert import converted_gguf, dequantized_gguf, gguf_packed_weights
+from specserve.models.kv_cache import give_back_freed_memory
 from specserve.models.model_files import ModelLoadError, cache_root, converted_dir, strip_prefixes
 from specserve.models.quant import PackedWeight, QuantEmbedding, QuantizationError, QuantLinear
 from specserve.models.transformer import CausalLM
@@ -350,6 +352,7 @@ def _load_model(name: str | None, dtype: str | torch.dtype | None, device: str,
         tokenizer = source.tokenizer or AutoTokenizer.from_pretrained(str(source.directory))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer in {source.directory}: {exc}") from exc
+    drop_vocabulary_copies(tokenizer)
     chat = resolve_chat_format(tokenizer, source.gguf, source.embedded_default, source.directory)
     tokenizer.chat_template = chat.template
     eos_ids = _eos_ids(hf_config, tokenizer, source.directory)
@@ -358,3 +361,19 @@ def _load_model(name: str | None, dtype: str | torch.dtype | None, device: str,
     max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
     return LoadedModel(source.name, source.directory, model, tokenizer, eos_ids, max_len, chat.stop,
                        source.embedded_default, source.gguf)
+
+
+def drop_vocabulary_copies(tokenizer) -> None:
+    """transformers' BPE tokenizers keep the vocabulary and merge list their Rust model was built from as Python
+    objects (`_vocab`, `_merges`), which nothing reads afterwards: for Gemma 3's 262,144 tokens and 514,906 merges
+    they and the heap their parsing left behind held ~190 MB of a server's memory. Dropped, the heap handed back."""
+    from tokenizers.models import BPE
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not isinstance(backend.model, BPE):
+        return
+    for name in ("_vocab", "_merges"):
+        if hasattr(tokenizer, name):
+            delattr(tokenizer, name)
+    gc.collect()
+    give_back_freed_memory()

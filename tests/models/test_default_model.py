@@ -105,3 +105,21 @@ def test_the_cached_tokenizer_lists_its_added_tokens_and_loads_as_the_gguf_s(def
         ids = original(text).input_ids
         assert cached(text).input_ids == ids and cached.decode(ids) == original.decode(ids)
     assert cached.all_special_ids == original.all_special_ids
+
+
+def test_the_tokenizer_drops_its_python_vocabulary_and_still_tokenizes_the_same(default_model, tmp_path):
+    """The loaded BPE tokenizer holds no Python copy of its vocabulary or merges (they held ~190 MB for Gemma 3)
+    and encodes, decodes, lists its vocabulary and saves as one loaded by transformers alone."""
+    from transformers import AutoTokenizer
+
+    loaded = default_model.tokenizer
+    assert not hasattr(loaded, "_merges") and not hasattr(loaded, "_vocab")
+    fresh = AutoTokenizer.from_pretrained(str(default_model.path))
+    assert hasattr(fresh, "_merges")  # the control: transformers keeps them
+    text = "Héllo wörld!\n\tdef f(x):  return x ** 2  # 🙂 <start_of_turn>user"
+    assert loaded(text).input_ids == fresh(text).input_ids
+    ids = fresh(text).input_ids
+    assert loaded.decode(ids) == fresh.decode(ids)
+    assert loaded.get_vocab() == fresh.get_vocab()
+    loaded.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(str(tmp_path))(text).input_ids == ids
