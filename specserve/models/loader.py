@@ -366,14 +366,14 @@ def _load_model(name: str | None, dtype: str | torch.dtype | None, device: str,
 def drop_vocabulary_copies(tokenizer) -> None:
     """transformers' BPE tokenizers keep the vocabulary and merge list their Rust model was built from as Python
     objects (`_vocab`, `_merges`), which nothing reads afterwards: for Gemma 3's 262,144 tokens and 514,906 merges
-    they and the heap their parsing left behind held ~190 MB of a server's memory. Dropped, the heap handed back."""
+    they and the heap their parsing left behind held ~190 MB of a server's memory. They are dropped, and the heap
+    the load freed (any tokenizer's) handed back."""
     from tokenizers.models import BPE
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not isinstance(backend.model, BPE):
-        return
-    for name in ("_vocab", "_merges"):
-        if hasattr(tokenizer, name):
-            delattr(tokenizer, name)
+    if backend is not None and isinstance(backend.model, BPE):
+        for name in ("_vocab", "_merges"):
+            if hasattr(tokenizer, name):
+                delattr(tokenizer, name)
     gc.collect()
     give_back_freed_memory()
