@@ -30,7 +30,7 @@ class NGramIndex:
     def lookup(self, tokens: list[int], max_len: int) -> tuple[int, list[int]]:
         """(n, continuation): the tokens that followed the most recent earlier occurrence of the longest suffix
         n-gram (max_n down to min_n) of `tokens`, at most max_len of them, and that n; (0, []) if none recurs.
-        A match whose continuation runs into the end of `tokens` is continued as a loop (`loop_continuation`)."""
+        A match at most n tokens back (the text has just repeated) is continued as a loop: `loop_continuation`."""
         self._index(tokens)
         length = len(tokens)
         if max_len <= 0 or length < self.min_n + 1:
