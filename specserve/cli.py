@@ -167,8 +167,9 @@ def bench(
     step_costs: bool = typer.Option(False, "--step-costs",
                                     help="Also time one target forward of 1..64 tokens (the price of verifying)."),
     tree_costs: bool = typer.Option(False, "--tree-costs",
-                                    help="Also time a decoding step with EAGLE trees of 1..64 nodes (drafting + "
-                                         "verification) for each method run that sizes its trees, next to a plain step."),
+                                    help="Also time a decoding step with EAGLE trees of 1..64 nodes drafted 1, 3 and 6 "
+                                         "levels deep (drafting + verification) for each method run that sizes its "
+                                         "trees, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
     from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
@@ -220,7 +221,9 @@ def bench(
         for name in (n for n in names if n in registry.sized_tree_methods()):  # trees alone, no lookup branch
             trees[name] = tree_step_costs(config, target, name, heads.get(name, config.speculative.model),
                                           prompts[0])
-            typer.echo(f"{name} step ms by tree nodes: " + ", ".join(f"{n}: {ms}" for n, ms in trees[name].items()))
+            typer.echo(f"{name} step ms by tree nodes (plain step {trees[name]['plain']}): " + "; ".join(
+                f"{depth} level{'s' * (depth > 1)} deep: " + ", ".join(f"{n}: {ms}" for n, ms in row.items())
+                for depth, row in trees[name]["levels"].items()))
     if json_file:
         report = {"model": target.name, "dtype": str(target.model.dtype).removeprefix("torch."),
                   "quantization": target.model.quantization,

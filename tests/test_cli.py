@@ -79,6 +79,27 @@ def test_bench_and_generate_eagle_with_the_lookup_branch(loaded, checkpoint, tmp
     assert json.loads(result.stdout)["method"] == "eagle3+ngram"
 
 
+def test_bench_tree_costs_time_each_tree_size_at_each_depth(loaded, checkpoint, tmp_path):
+    from specserve.bench.offline import TREE_DEPTHS, TREE_SIZES, TREE_WIDTH
+    from tests.speculative.test_eagle import save_random
+    head = save_random(loaded("llama"), "eagle3", tmp_path / "head")
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"text": "def add(a, b):"}\n')
+    out = tmp_path / "bench.json"
+    result = invoke("bench", "--dataset", data, "--methods", "eagle3", "--head", f"eagle3={head}", "--max-tokens", 4,
+                    "--model", checkpoint("llama"), "--dtype", "float32", "--tree-costs", "--json", out)
+    assert result.exit_code == 0, result.output
+    costs = json.loads(out.read_text())["step_ms_by_tree_nodes"]["eagle3"]
+    assert costs["plain"] > 0
+    assert list(costs["levels"]) == [str(depth) for depth in TREE_DEPTHS]
+    assert list(costs["levels"]["1"]) == [str(size) for size in TREE_SIZES if size <= TREE_WIDTH]  # one level: 8
+    assert list(costs["levels"]["6"]) == [str(size) for size in TREE_SIZES]
+    # a tree of one node is one level deep however deep the others go: timed once
+    assert len({row["1"] for row in costs["levels"].values()}) == 1
+    assert all(ms > 0 for row in costs["levels"].values() for ms in row.values())
+    assert "3 levels deep: 1:" in result.output
+
+
 def test_mismatched_draft_tokenizer_is_an_error(checkpoint, tmp_path):
     from transformers import AutoTokenizer
 

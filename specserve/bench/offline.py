@@ -284,12 +284,16 @@ def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
 
 
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+TREE_DEPTHS = (1, 3, 6)  # levels drafted, one head forward each
+TREE_WIDTH = 8  # top_k: the most nodes one level adds below a node
 
 
 def tree_step_costs(base: DeploymentConfig, target: LoadedModel, method: str, head: str, prompt: str,
                     tokens: int = 48) -> dict:
     """Milliseconds per decoding step (drafting + tree verification + commit) with trees of 1..64 draft nodes
-    (fixed size, no budget), next to one plain step, on one prompt: the price of a tree on this machine."""
+    (fixed size, no budget) drafted 1, 3 and 6 levels deep (never more levels than nodes; one level holds at most
+    TREE_WIDTH), next to one plain step, on one prompt: the price of a tree on this machine, with its drafting's
+    depth apart: {"plain": ms, "levels": {depth: {nodes: ms}}}."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
 
     def per_step(config: DeploymentConfig) -> float:
@@ -298,10 +302,17 @@ def tree_step_costs(base: DeploymentConfig, target: LoadedModel, method: str, he
         m = engine.generate(prompt, params).metrics
         return round(1e3 * (m.total_time_s - m.time_to_first_token_s) / max(m.target_forwards - 1, 1), 2)
 
-    costs = {"plain": per_step(replace(base, speculative=base.speculative.with_method(PLAIN)))}
     tree = base.speculative.with_method(method)
-    for size in TREE_SIZES:
-        spec = replace(tree, model=head, adaptive_draft_len=False, max_draft_len=max(1, min(6, size)),
-                       settings={**tree.settings, "max_total_draft_tokens": size, "top_k": min(size, 8)})
-        costs[size] = per_step(replace(base, speculative=spec))
-    return costs
+    measured: dict[tuple[int, int], float] = {}
+
+    def cost(size: int, levels: int) -> float:
+        if (size, levels) not in measured:
+            spec = replace(tree, model=head, adaptive_draft_len=False, max_draft_len=levels,
+                           settings={**tree.settings, "max_total_draft_tokens": size, "top_k": min(size, TREE_WIDTH)})
+            measured[size, levels] = per_step(replace(base, speculative=spec))
+        return measured[size, levels]
+
+    plain = per_step(replace(base, speculative=base.speculative.with_method(PLAIN)))
+    levels = {depth: {size: cost(size, min(depth, size)) for size in TREE_SIZES if size <= TREE_WIDTH ** depth}
+              for depth in TREE_DEPTHS}
+    return {"plain": plain, "levels": levels}
