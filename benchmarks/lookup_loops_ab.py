@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
-from pathlib import Path
+
+from kernel_ab import HERE, HUMANEVAL  # this folder is on the path when a script in it runs
 
 from specserve.config import DeploymentConfig, build_engine
 from specserve.models.loader import load_model
 from specserve.speculative import ngram
 from specserve.speculative.sampling import SamplingParams
 
-HERE = Path(__file__).parent
-SETS = {"general": HERE / "general_questions.jsonl", "humaneval": HERE.parent.parent / "shared" / "data" /
-        "humaneval_question.jsonl", "open-ended": HERE / "open_ended_prompts.jsonl"}
+SETS = {"general": HERE / "general_questions.jsonl", "humaneval": HUMANEVAL,
+        "open-ended": HERE / "open_ended_prompts.jsonl"}
 SIDES = {"loop": ngram.loop_continuation, "stop": lambda tokens, start, n, max_len: tokens[start:start + max_len]}
 
 
