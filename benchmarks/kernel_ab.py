@@ -8,8 +8,8 @@ alternated (what such runs decided: docs/design-notes.md).
     python benchmarks/kernel_ab.py linear /tmp/old/specserve/csrc
 
 The other csrc must have this layout (module.cpp and its variant_*.cpp, one extension); it is compiled at run
-time with setup.py's flags (torch's JIT build: it needs `ninja`, `pip install ninja`). Both builds run the variant
-SPECSERVE_KERNELS picks (the fastest by default).
+time with the flags setup.py's build gets (torch's JIT build: it needs `ninja`, `pip install ninja`). Both builds
+run the variant SPECSERVE_KERNELS picks (the fastest by default).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
@@ -37,6 +37,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -54,8 +55,12 @@ def build(csrc: Path):
 
     folder = Path(tempfile.mkdtemp(prefix="kernel_ab_"))
     shutil.copytree(csrc, folder / "csrc")
+    # setuptools puts Python's own CFLAGS (-fwrapv among them) before setup.py's; the JIT build does not, and GCC
+    # compiles some loops differently with them (it dropped the K-quant tiles' prefetches under -fwrapv)
+    python_flags = (sysconfig.get_config_var("CFLAGS") or "").split()
     return load(name="kernel_ab_other", sources=sorted(str(path) for path in (folder / "csrc").glob("*.cpp")),
-                extra_cflags=["-O3", "-g0", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+                extra_cflags=[*python_flags, "-O3", "-g0", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(folder))
 
 
