@@ -89,13 +89,15 @@ def test_the_model_loader_stops_on_missing_kernels(monkeypatch, fresh_choice, ch
 
 
 def tile_functions(disassembly: str) -> dict[str, str]:
-    """The quantized linear's vector tiles that read a packed weight block by block (not a tile decoded once
-    into a buffer), by demangled name -> their machine code, from `objdump -d -C` of the extension."""
+    """The quantized linear's vector functions that read a packed weight block by block (the tiles, but not those
+    that read a tile decoded once into a buffer; the decoding itself), by demangled name -> their machine code,
+    from `objdump -d -C` of the extension."""
     tiles = {}
     for function in disassembly.split("\n\n"):
         header = re.match(r"[0-9a-f]+ <(.*)>:", function.strip())
-        name = header and re.search(r"tile_rows_avx(?:512|2)<[^>]*>", header.group(1))
-        if name and not name.group(0).endswith("true>"):  # DECODED: the decoded buffer is read, not the weight
+        name = header and re.search(r"(?:tile_rows|decode_tile)_avx(?:512|2)<[^>]*>", header.group(1))
+        reads_buffer = name and name.group(0).startswith("tile_rows") and name.group(0).endswith("true>")  # DECODED
+        if name and not reads_buffer:
             tiles[name.group(0)] = function
     return tiles
 
@@ -112,7 +114,8 @@ def test_every_vector_tile_prefetches_the_weight_it_streams():
     disassembly = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", cpu_kernels.extension().__file__],
                                  capture_output=True, text=True, check=True).stdout
     tiles = tile_functions(disassembly)
-    formats = {re.search(r"<(\d+, \d+, (?:true|false))", name).group(1) for name in tiles}
+    formats = {re.search(r"<(\d+, \d+, (?:true|false))", name).group(1) for name in tiles if "tile_rows" in name}
     assert {"4, 1, false", "4, 1, true", "5, 1, false", "5, 1, true", "6, 2, false", "8, 1, false"} <= formats
+    assert {"decode_tile_avx512", "decode_tile_avx2"} <= {name.split("<")[0] for name in tiles}
     unprefetched = sorted(name for name, code in tiles.items() if "prefetcht" not in code)
     assert not unprefetched, f"{len(unprefetched)} of {len(tiles)} tiles issue no prefetch: {unprefetched[:4]}"
