@@ -125,6 +125,8 @@ void specserve::bind_quant(py::module_ m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
   m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");
-  m.def("int8_peak_macs", &int8_peak_macs, "int8 multiply-adds per second this CPU peaks at on the best path",
-        py::arg("seconds") = 0.2, py::call_guard<py::gil_scoped_release>());
+  m.def("running_isa", &running_isa, "the path quant_linear runs for an ISA name (auto: the best)",
+        py::arg("isa") = "auto");
+  m.def("int8_peak_macs", &int8_peak_macs, "int8 multiply-adds per second this CPU peaks at on a path",
+        py::arg("seconds") = 0.2, py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
 }

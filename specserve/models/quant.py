@@ -478,10 +478,15 @@ def best_isa() -> str:
     return _kernel().best_isa()
 
 
+def running_isa() -> str:
+    """The path the quantized kernels run: `isa()` resolved (auto: the best this CPU runs)."""
+    return _kernel().running_isa(isa())
+
+
 def int8_peak_macs(seconds: float = 0.2) -> float:
-    """The CPU's int8 multiply-adds per second on the best path's multiply instruction, measured on all threads
-    (0.0 where only the scalar path runs)."""
-    return _kernel().int8_peak_macs(seconds)
+    """The CPU's int8 multiply-adds per second on the multiply instruction of the path the kernels run
+    (`running_isa`), measured on all threads (0.0 on the scalar path)."""
+    return _kernel().int8_peak_macs(seconds, isa())
 
 
 def stream_read(buffer: torch.Tensor) -> int:

@@ -40,3 +40,23 @@ def test_the_int8_peak_probe_measures_the_multiply_instruction():
         assert peak == 0.0
     else:  # a finite rate: an instruction folded away would read as (near) infinite, a broken timer as zero
         assert 1e9 < peak < 1e14
+
+
+@pytest.mark.parametrize("path", ["avx2", "scalar"])
+def test_the_rates_name_and_probe_the_path_the_kernels_run(path, monkeypatch):
+    """SPECSERVE_QUANT_ISA picks a slower path than the CPU's best: --step-costs must name it and read its rates
+    against that path's own peak, not the best path's."""
+    from types import SimpleNamespace
+
+    from specserve.bench.offline import compute_rates
+    from specserve.models import quant
+
+    order = ["scalar", "avx2", "avx512"]
+    if order.index(quant.best_isa()) < order.index(path):
+        pytest.skip(f"this CPU does not run the {path} path")
+    monkeypatch.setenv("SPECSERVE_QUANT_ISA", path)
+    spec = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2, num_layers=2,
+                           intermediate_size=128, vocab_size=256)
+    rates = compute_rates(SimpleNamespace(spec=spec), {1: 1.0})
+    assert rates["isa"] == path == quant.running_isa()
+    assert (rates["int8_peak_gmacs"] == 0.0) == (path == "scalar")
