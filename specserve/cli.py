@@ -115,6 +115,8 @@ def generate(
     quantization: Optional[str] = typer.Option(None, help=QUANT_HELP),
     tp_size: Optional[int] = typer.Option(None, "--tensor-parallel-size", help=TP_HELP),
     json_output: bool = typer.Option(False, "--json", help='Print {"text": ..., "metrics": {...}}.'),
+    chat: bool = typer.Option(False, "--chat", help="Ask the prompt as a user's message in the model's chat "
+                              "template, as /v1/chat/completions does; without it the prompt is continued."),
 ) -> None:
     """Generate text for one prompt."""
     worker_rank_or_none()
@@ -126,6 +128,8 @@ def generate(
                                 seed=seed, stop=list(stop), ignore_eos=ignore_eos)
         params.validate()
         engine = build_engine(config)
+        if chat:
+            prompt, params.stop = chat_turn(engine, prompt), [*params.stop, *engine.target.chat_stop]
         if not engine.lossless and not params.greedy:
             typer.echo("warning: typical acceptance is on: sampled output does not follow the target's "
                        "distribution exactly (not lossless)", err=True)
@@ -145,6 +149,15 @@ def generate(
         fail(str(exc))
     except ValueError as exc:  # SamplingParams.validate
         fail(str(exc))
+
+
+def chat_turn(engine, text: str) -> list[int]:
+    """The prompt ids of `text` asked as one user message, through the model's chat template."""
+    from specserve.server.openai.messages import chat_prompt
+
+    if not getattr(engine.tokenizer, "chat_template", None):
+        fail("this model has no chat template: drop --chat to have the prompt continued as text")
+    return chat_prompt({"messages": [{"role": "user", "content": text}]}, engine, max_messages=1)
 
 
 @app.command()

@@ -29,6 +29,27 @@ def test_generate_json(checkpoint):
         assert key in payload["metrics"]
 
 
+def test_generate_chat_asks_the_prompt_through_the_chat_template(checkpoint, tmp_path):
+    from specserve.cli import chat_turn, deployment_config
+    from specserve.config import build_engine
+    from specserve.speculative.sampling import SamplingParams
+    from tests.conftest import build_tokenizer, make_checkpoint
+
+    question = "What is ML?"
+    engine = build_engine(deployment_config(checkpoint("llama"), None, None, None, None, None, "float32"))
+    ids = chat_turn(engine, question)
+    assert engine.tokenizer.decode(ids) == f"<s>user: {question}\nassistant:"  # the tiny models' transcript format
+    expected = engine.generate(ids, SamplingParams(max_tokens=12)).text
+    result = invoke("generate", question, "--model", checkpoint("llama"), "--dtype", "float32", "--max-tokens", 12,
+                    "--chat", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == expected
+
+    no_template = make_checkpoint(tmp_path / "plain", "llama", tokenizer=build_tokenizer(chat_template=None))
+    refused = invoke("generate", question, "--model", no_template, "--dtype", "float32", "--chat")
+    assert refused.exit_code == 2 and "no chat template" in refused.output and "Traceback" not in refused.output
+
+
 def test_generate_from_model_yaml_equals_plain(checkpoint, tmp_path):
     yaml_file = tmp_path / "model.yaml"
     yaml_file.write_text(f"model: {checkpoint('qwen3')}\ndtype: float32\nspeculative_config:\n"
