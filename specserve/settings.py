@@ -20,8 +20,7 @@ class EnvironmentSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    SPECSERVE_KERNELS: Literal[cpu_kernels.MODES] = "auto"  # the compiled variant (cpu_kernels.ENV)
-    SPECSERVE_QUANT_ISA: Literal["auto", "avx512", "avx2", "scalar"] = "auto"  # the quantized linears' path
+    SPECSERVE_KERNELS: Literal[cpu_kernels.MODES] = "auto"  # the compiled variant, quantized path included
     SPECSERVE_LAYER_LOOP: Literal["cpp", "python"] = "cpp"  # python: the reference layer loop
     SPECSERVE_GREEDY_SCREEN: Literal["0", "1"] = "1"  # 0: greedy forwards compute the full logits
     SPECSERVE_CACHE: Optional[str] = None  # the cache directory (default ~/.cache/specserve)
@@ -46,12 +45,4 @@ def check_environment(environ: dict[str, str] | None = None) -> EnvironmentSetti
             known = ", ".join(EnvironmentSettings.model_fields)
             raise ConfigError(f"unknown environment setting {name}; known: {known}") from None
         raise ConfigError(f"environment setting {name}={given.get(name)!r}: {error['msg']}") from None
-    isa = settings.SPECSERVE_QUANT_ISA
-    if isa != "auto" and settings.SPECSERVE_KERNELS != "off":
-        from specserve.models import quant
-
-        paths = ["scalar", "avx2", "avx512"]
-        if paths.index(isa) > paths.index(quant.best_isa()):
-            raise ConfigError(f"environment setting SPECSERVE_QUANT_ISA={isa!r}: this CPU's best path is "
-                              f"{quant.best_isa()!r}")
     return settings

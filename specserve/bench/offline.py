@@ -237,12 +237,12 @@ def multiply_adds_per_token(spec) -> int:
 def compute_rates(model, costs_ms: dict[int, float]) -> dict:
     """Each timed forward's achieved multiply-adds per second next to the CPU's int8 peak (a probe of the running
     kernel path's multiply instruction on all threads)."""
-    from specserve.models.quant import int8_peak_macs, running_isa
+    from specserve.models.quant import int8_peak_macs, quant_path
 
     per_token = multiply_adds_per_token(model.spec)
     peak = int8_peak_macs()
     achieved = {n: per_token * n / (ms / 1e3) for n, ms in costs_ms.items()}
-    return {"multiply_adds_per_token": per_token, "int8_peak_gmacs": round(peak / 1e9, 1), "isa": running_isa(),
+    return {"multiply_adds_per_token": per_token, "int8_peak_gmacs": round(peak / 1e9, 1), "isa": quant_path(),
             "gmacs_by_tokens": {n: round(v / 1e9, 1) for n, v in achieved.items()},
             "share_of_peak_by_tokens": {n: round(v / peak, 3) for n, v in achieved.items()} if peak else {}}
 

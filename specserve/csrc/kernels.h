@@ -1,10 +1,11 @@
 // What every source of the specserve._C extension includes, and what its sources call across files.
 //
-// One extension holds every kernel: quant_linear.cpp (its vector paths carry their own target attributes and are
-// chosen per call), and the bf16 layer kernels of cpu_kernels.inc compiled once per instruction-set variant
-// (variant_*.cpp, each in its own namespace and submodule). module.cpp says which variants the CPU runs; Python
-// picks one (models/cpu_kernels.py). The build itself targets the baseline of its architecture, so the .so runs on
-// any CPU of it.
+// One extension holds every kernel: quant_linear.cpp (its vector paths carry their own target attributes), and the
+// bf16 layer kernels of cpu_kernels.inc compiled once per instruction-set variant (variant_*.cpp, each in its own
+// namespace and submodule). module.cpp's probe says which variants the CPU runs; Python picks one
+// (models/cpu_kernels.py), and that variant's quantized path is the one its functions call (QuantIsa): one
+// choice for every kernel. The build itself targets the baseline of its architecture, so the .so runs on any CPU
+// of it.
 #pragma once
 
 #include <torch/extension.h>
@@ -47,15 +48,20 @@
 
 namespace specserve {
 
+// The quantized linears' vector path of a variant: the AVX-512 one needs AVX-512 F/BW/VL/DQ/VNNI, the AVX2 one
+// AVX2 + FMA + F16C, both a subset of what module.cpp's probe requires of the variant that calls it.
+enum class QuantIsa { scalar, avx2, avx512 };
+
 // y = x @ [dequant(W_i)].T + bias over packed low-bit weights (quant_linear.cpp); the layer stacks call it directly.
 at::Tensor quant_linear(const at::Tensor& x_in, const std::vector<at::Tensor>& qs,
                         const std::vector<std::optional<at::Tensor>>& planes, const std::vector<at::Tensor>& scales,
                         const std::vector<std::optional<at::Tensor>>& offsets, const std::optional<at::Tensor>& bias,
                         const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
                         const std::vector<int64_t>& group, const std::vector<int64_t>& zero,
-                        const std::vector<double>& unit, bool out_fp32, const std::string& isa_name);
+                        const std::vector<double>& unit, bool out_fp32, QuantIsa isa);
 
-void bind_quant(pybind11::module_ m);
+// The quantized linear, its greedy screen and probes on path `isa`, into a variant's submodule.
+void bind_quant(pybind11::module_ m, QuantIsa isa);
 
 // Each variant's bind (variant_*.cpp) fills its submodule of specserve._C.
 namespace scalar { void bind(pybind11::module_ m); }

@@ -1,5 +1,6 @@
-// specserve._C: the quantized linear (submodule quant) and the bf16 layer kernels of every instruction-set variant
-// compiled here (submodules scalar, avx2, avx512, amx), with which of them this CPU runs.
+// specserve._C: the kernels of every instruction-set variant compiled here (submodules scalar, avx2, avx512, amx:
+// the bf16 layer kernels and the quantized linear on the variant's path), with which of them this CPU runs: the
+// one probe of the CPU's features.
 #include "kernels.h"
 
 #if SPECSERVE_X86
@@ -38,8 +39,7 @@ bool cpu_runs(const std::string& variant) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "specserve's CPU kernels: quant (packed low-bit linears) and the bf16 kernels of each ISA variant";
-  specserve::bind_quant(m.def_submodule("quant", "row-invariant linears over packed low-bit weights"));
+  m.doc() = "specserve's CPU kernels: the bf16 kernels and packed low-bit linears of each ISA variant";
   std::vector<std::string> compiled = {"scalar"};
   specserve::scalar::bind(m.def_submodule("scalar", "bf16 kernels, scalar code"));
 #if SPECSERVE_X86_VARIANTS

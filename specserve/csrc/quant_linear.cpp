@@ -39,13 +39,12 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
                         const std::vector<std::optional<at::Tensor>>& offsets, const std::optional<at::Tensor>& bias,
                         const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
                         const std::vector<int64_t>& group, const std::vector<int64_t>& zero,
-                        const std::vector<double>& unit, bool out_fp32, const std::string& isa_name) {
+                        const std::vector<double>& unit, bool out_fp32, QuantIsa isa) {
   const size_t parts = qs.size();
   TORCH_CHECK(parts > 0 && planes.size() == parts && scales.size() == parts && offsets.size() == parts &&
                   N.size() == parts && bits.size() == parts && group.size() == parts && zero.size() == parts &&
                   unit.size() == parts,
               "quant_linear: one entry per weight in every list");
-  const Isa isa = parse_isa(isa_name);
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat, "x must be bf16 or fp32");
   const at::Tensor x = x_in.contiguous();
@@ -116,17 +115,33 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
 #include "quant_screen.inc"
 #include "quant_probes.inc"
 
-void specserve::bind_quant(py::module_ m) {
-  m.def("quant_linear", &specserve::quant_linear,
-        "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant",
+void specserve::bind_quant(py::module_ m, QuantIsa isa) {
+  m.def("quant_linear",
+        [isa](const at::Tensor& x, const std::vector<at::Tensor>& qs, const std::vector<std::optional<at::Tensor>>& planes,
+              const std::vector<at::Tensor>& scales, const std::vector<std::optional<at::Tensor>>& offsets,
+              const std::optional<at::Tensor>& bias, const std::vector<int64_t>& N, const std::vector<int64_t>& bits,
+              const std::vector<int64_t>& group, const std::vector<int64_t>& zero, const std::vector<double>& unit,
+              bool out_fp32) {
+          return specserve::quant_linear(x, qs, planes, scales, offsets, bias, N, bits, group, zero, unit, out_fp32,
+                                         isa);
+        },
+        "y = x @ [dequant(W_i)].T over packed low-bit weights, row-invariant", py::arg("x"), py::arg("qs"),
+        py::arg("planes"), py::arg("scales"), py::arg("offsets"), py::arg("bias"), py::arg("N"), py::arg("bits"),
+        py::arg("group"), py::arg("zero"), py::arg("unit"), py::arg("out_fp32"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, "dequantized rows of a packed weight (fp32)");
-  m.def("screen_argmax", &screen_argmax, "each row's argmax of x @ W.T for an 8-bit W, through its 5-bit screen",
+  m.def("screen_argmax",
+        [isa](const at::Tensor& x, const at::Tensor& screen_qs, const at::Tensor& screen_planes, const at::Tensor& qs,
+              const at::Tensor& scales, int64_t N, double unit) {
+          return screen_argmax(x, screen_qs, screen_planes, qs, scales, N, unit, isa);
+        },
+        "each row's argmax of x @ W.T for an 8-bit W, through its 5-bit screen", py::arg("x"), py::arg("screen_qs"),
+        py::arg("screen_planes"), py::arg("qs"), py::arg("scales"), py::arg("N"), py::arg("unit"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("stream_read", &stream_read, "XOR over a buffer: a streaming-read bandwidth probe");
-  m.def("best_isa", &best_isa, "the fastest path this CPU runs: avx512, avx2 or scalar");
-  m.def("running_isa", &running_isa, "the path quant_linear runs for an ISA name (auto: the best)",
-        py::arg("isa") = "auto");
-  m.def("int8_peak_macs", &int8_peak_macs, "int8 multiply-adds per second this CPU peaks at on a path",
-        py::arg("seconds") = 0.2, py::arg("isa") = "auto", py::call_guard<py::gil_scoped_release>());
+  m.def("stream_read", [isa](const at::Tensor& buffer) { return stream_read(buffer, isa); },
+        "XOR over a buffer: a streaming-read bandwidth probe", py::arg("buffer"));
+  m.def("quant_path", [isa] { return isa_label(isa); }, "the quantized linears' path: avx512, avx2 or scalar");
+  m.def("int8_peak_macs", [isa](double seconds) { return int8_peak_macs(seconds, isa); },
+        "int8 multiply-adds per second this CPU peaks at on the quantized path", py::arg("seconds") = 0.2,
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -5,8 +5,9 @@ Speculative decoding is only lossless if a token's logits don't depend on how ma
 that. The kernels in `specserve/csrc` compute every output element with one fixed sequence of fp32 operations.
 The bf16 layer kernels (cpu_kernels.inc) are compiled once per instruction-set variant, side by side in one
 extension: `scalar`, `avx2` (AVX2 + FMA), `avx512` (AVX-512 VNNI + BF16) and `amx`; the fastest this CPU runs is
-used unless SPECSERVE_KERNELS (or `specserve --kernels`) names another. The packed low-bit linear (quant_linear.cpp,
-submodule `quant`) chooses its own path per call (quant.isa()).
+used unless SPECSERVE_KERNELS (or `specserve --kernels`) names another. Each variant also holds the packed low-bit
+linear (quant_linear.cpp) on its own path (scalar, AVX2, AVX-512 VNNI for both `avx512` and `amx`): the one choice
+of variant picks every kernel's instructions, by the one probe of the CPU (module.cpp's `cpu_runs`).
 
 The kernels are required: when they cannot load, `available()` raises KernelsUnavailable naming the cause. Only
 SPECSERVE_KERNELS=off turns them off (PyTorch's own ops: slower, and not row-invariant, so speculation is then no
@@ -74,9 +75,10 @@ def choose_variant(ext, wanted: str) -> str:
     return wanted
 
 
-def _load():
-    """The chosen variant's submodule of specserve._C, or None when the kernels are off; raises when it can't."""
-    wanted = mode()
+def _load(wanted: str | None = None):
+    """The submodule of specserve._C for mode `wanted` (SPECSERVE_KERNELS by default), or None when the kernels are
+    off; raises when it can't."""
+    wanted = wanted or mode()
     if wanted in _loaded:  # asked on every kernel call: no lock once decided
         return _loaded[wanted]
     with _lock:
@@ -87,8 +89,10 @@ def _load():
 
 
 def quant_module():
-    """specserve._C.quant, the packed low-bit linear; raises KernelsUnavailable when it cannot load."""
-    return extension().quant
+    """The variant whose quant_linear, screen_argmax and probes compute packed weights: the chosen one, or with the
+    kernels off the fastest this CPU runs (packed weights have no PyTorch path); KernelsUnavailable when it cannot
+    load."""
+    return _load() or _load("auto")
 
 
 def available() -> bool:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specserve.models import cpu_kernels, quant
+from specserve.models import cpu_kernels
 from specserve.models.quant import FusedQuantLinear, QuantLinear, packed_matmul
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -196,8 +196,7 @@ class KernelPlan:
         keep = sorted({i for i in output_layers if 0 <= i < len(self.layers)})
         types = self.layer_types
         normed, kept = self.stack.forward(x, normed, [rope[t][0] for t in types], [rope[t][1] for t in types],
-                                          [masks[t] for t in types], cache.keys, cache.values, slots, quant.isa(),
-                                          keep)
+                                          [masks[t] for t in types], cache.keys, cache.values, slots, keep)
         return normed, dict(zip(keep, kept))
 
     def _run_python(self, x, normed, rope, masks, cache, slots, output_layers):

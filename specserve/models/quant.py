@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -448,8 +447,7 @@ def packed_matmul(x: torch.Tensor, args: tuple[list, ...], bias: torch.Tensor | 
     """x [..., K] @ [W_0; W_1; ...].T + bias -> [..., sum N]: several weights over one input (`args`: their
     kernel_args) in one kernel call."""
     qs, planes, scales, offsets, *formats = args
-    y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), qs, planes, scales, offsets, bias, *formats, out_fp32,
-                               isa())
+    y = _kernel().quant_linear(x.reshape(-1, x.shape[-1]), qs, planes, scales, offsets, bias, *formats, out_fp32)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -457,36 +455,28 @@ def screen_argmax(x: torch.Tensor, weight: PackedWeight, screen: PackedWeight) -
     """torch.argmax(x @ W.T, -1) over the rows of x [..., K] for an 8-bit W, exactly, reading W's `greedy_screen`
     and only the tiles that can hold a row's maximum: int64 [...]."""
     ids = _kernel().screen_argmax(x.reshape(-1, x.shape[-1]), screen.qs, screen.planes, weight.qs, weight.scales,
-                                  weight.out_features, weight.unit, isa())
+                                  weight.out_features, weight.unit)
     return ids.view(x.shape[:-1])
 
 
-def isa() -> str:
-    """The kernel path: SPECSERVE_QUANT_ISA (avx512, avx2, scalar) if set, else the best this CPU runs."""
-    return os.environ.get("SPECSERVE_QUANT_ISA", "auto")
-
-
 def _kernel():
-    """specserve._C.quant; QuantizationError naming the cause when the kernels cannot load."""
+    """The kernels variant that computes packed weights (cpu_kernels.quant_module); QuantizationError naming the
+    cause when the kernels cannot load."""
     try:
         return cpu_kernels.quant_module()
     except cpu_kernels.KernelsUnavailable as exc:
         raise QuantizationError(f"{exc}; or use quantization: none") from exc
 
 
-def best_isa() -> str:
-    return _kernel().best_isa()
-
-
-def running_isa() -> str:
-    """The path the quantized kernels run: `isa()` resolved (auto: the best this CPU runs)."""
-    return _kernel().running_isa(isa())
+def quant_path() -> str:
+    """The path the quantized kernels run, avx512, avx2 or scalar: the chosen kernels variant's."""
+    return _kernel().quant_path()
 
 
 def int8_peak_macs(seconds: float = 0.2) -> float:
     """The CPU's int8 multiply-adds per second on the multiply instruction of the path the kernels run
-    (`running_isa`), measured on all threads (0.0 on the scalar path)."""
-    return _kernel().int8_peak_macs(seconds, isa())
+    (`quant_path`), measured on all threads (0.0 on the scalar path)."""
+    return _kernel().int8_peak_macs(seconds)
 
 
 def stream_read(buffer: torch.Tensor) -> int:

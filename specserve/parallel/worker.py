@@ -48,7 +48,7 @@ def warm_kernels(model: CausalLM) -> None:
     if model.quantization != "none":
         from specserve.models import quant
 
-        quant.best_isa()
+        quant.quant_path()
 
 
 @torch.inference_mode()

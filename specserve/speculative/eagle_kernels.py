@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from specserve.checks import ConfigError
-from specserve.models import cpu_kernels, quant
+from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import stack_linear
 from specserve.models.quant import FusedQuantLinear, QuantizationError, QuantLinear, quantize_linear
 from specserve.models.transformer import soft_cap
@@ -169,7 +169,7 @@ class KernelHead:
         cos, sin = self.rope(positions)
         normed, kept = self.stack.forward(x[None], first[None], [cos[None]], [sin[None]], [mask[None, None]],
                                           [k[None] for k in cache.keys], [v[None] for v in cache.values],
-                                          slots[None], quant.isa(), [len(cache.keys) - 1])
+                                          slots[None], [len(cache.keys) - 1])
         out = kept[0][0]
         return out, (normed[0] if self.kind == "eagle3" else out)
 

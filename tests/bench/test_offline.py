@@ -33,10 +33,10 @@ def test_multiply_adds_per_token_counts_every_projection_and_the_lm_head():
 
 
 def test_the_int8_peak_probe_measures_the_multiply_instruction():
-    from specserve.models.quant import best_isa, int8_peak_macs
+    from specserve.models.quant import int8_peak_macs, quant_path
 
     peak = int8_peak_macs(0.01)
-    if best_isa() == "scalar":
+    if quant_path() == "scalar":
         assert peak == 0.0
     else:  # a finite rate: an instruction folded away would read as (near) infinite, a broken timer as zero
         assert 1e9 < peak < 1e14
@@ -44,19 +44,19 @@ def test_the_int8_peak_probe_measures_the_multiply_instruction():
 
 @pytest.mark.parametrize("path", ["avx2", "scalar"])
 def test_the_rates_name_and_probe_the_path_the_kernels_run(path, monkeypatch):
-    """SPECSERVE_QUANT_ISA picks a slower path than the CPU's best: --step-costs must name it and read its rates
-    against that path's own peak, not the best path's."""
+    """SPECSERVE_KERNELS picks a slower variant than the CPU's best: --step-costs must name its quantized path and
+    read its rates against that path's own peak, not the best path's."""
     from types import SimpleNamespace
 
     from specserve.bench.offline import compute_rates
-    from specserve.models import quant
+    from specserve.models import cpu_kernels, quant
     from tests.models.test_quant import isa_paths
 
     if path not in isa_paths():
         pytest.skip(f"this CPU does not run the {path} path")
-    monkeypatch.setenv("SPECSERVE_QUANT_ISA", path)
+    monkeypatch.setenv(cpu_kernels.ENV, path)
     spec = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2, num_layers=2,
                            intermediate_size=128, vocab_size=256)
     rates = compute_rates(SimpleNamespace(spec=spec), {1: 1.0})
-    assert rates["isa"] == path == quant.running_isa()
+    assert rates["isa"] == path == quant.quant_path()
     assert (rates["int8_peak_gmacs"] == 0.0) == (path == "scalar")

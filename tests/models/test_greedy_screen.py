@@ -30,7 +30,7 @@ def rows_near_the_weight(weight: torch.Tensor, count: int, seed: int, peak: floa
 @pytest.mark.parametrize("isa", isa_paths())
 @pytest.mark.parametrize("kind, rows, cols", [("Q8_0", 1000, 512), ("int8", 80, 64), ("Q8_0", 4096, 128)])
 def test_screen_argmax_is_the_argmax_of_the_full_logits(kind, rows, cols, isa, monkeypatch):
-    monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
     packed, dense = packed_weight(kind, rows=rows, cols=cols)
     screen = packed.greedy_screen()
     for count, peak in ((1, 30), (2, 3), (5, 30), (8, 3), (9, 30), (17, 3), (64, 10)):  # one pass, several
@@ -58,7 +58,7 @@ def test_the_exact_pass_is_needed():
 def test_ties_and_non_finite_rows_answer_as_torch_argmax(isa, monkeypatch):
     """Equal logits: the first index wins. A NaN in a row: its first NaN. An infinite activation: whatever the
     full logits give (every tile of that row is computed)."""
-    monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
     weight = torch.randn(200, 64, generator=torch.Generator().manual_seed(3))
     weight[150] = weight[37]  # two outputs with the same codes and scales: their logits tie exactly
     packed = quant.PackedWeight.from_codes(quant.quantize_dense(weight, "int8"))

@@ -74,7 +74,7 @@ def test_a_missing_extension_is_an_error_not_a_fallback(monkeypatch, fresh_choic
     with pytest.raises(cpu_kernels.KernelsUnavailable, match="undefined symbol.*pip install"):
         cpu_kernels.available()
     with pytest.raises(QuantizationError, match="cannot be loaded"):
-        quant.best_isa()
+        quant.quant_path()
 
 
 def test_the_model_loader_stops_on_missing_kernels(monkeypatch, fresh_choice, checkpoint):

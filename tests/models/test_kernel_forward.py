@@ -330,11 +330,16 @@ def gguf_model(family: str, projections: tuple[str, ...]):
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2"])
 def test_cpp_layer_loop_equals_python_loop_gguf_every_isa(family, monkeypatch):
-    model = gguf_model(family, tuple(GGUF_LAYER_FORMATS[0]))
-    assert model.model.layers[0].self_attn.qkv_quant is not None  # fused, of mixed formats
+    logits = {}
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(ck.ENV, isa)
+        torch.manual_seed(0)  # the same model on every path; its LayerStack is the variant's, made at first use
+        model = gguf_model(family, tuple(GGUF_LAYER_FORMATS[0]))
+        assert model.model.layers[0].self_attn.qkv_quant is not None  # fused, of mixed formats
         assert_loops_agree(model, monkeypatch, splits=([16, 1, 7, 56],))
+        logits[isa] = run_chain(model, torch.arange(3, 40)[None], [16, 5, 16], (-1,))
+    for isa, outputs in logits.items():  # every path computes the same bits
+        assert all(torch.equal(a, b) for a, b in zip(outputs, logits["scalar"], strict=True)), isa
 
 
 def test_cpp_layer_loop_equals_python_loop_packed_and_bf16_unfused(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from specserve.engine.engine import Engine
-from specserve.models import quant
+from specserve.models import cpu_kernels, quant
 from specserve.models.gguf_convert import llama_row_order
 from specserve.models.loader import ModelLoadError, load_model
 from specserve.speculative.draft_model import DraftModelMethod
@@ -22,8 +22,10 @@ FORMATS = [*quant.GGUF_TYPES, "int8", "int4"]
 
 
 def isa_paths() -> list[str]:
-    order = ["scalar", "avx2", "avx512"]
-    return order[:order.index(quant.best_isa()) + 1]
+    """The kernels variants this CPU runs whose quantized paths differ (amx runs avx512's), slowest first: each is
+    chosen with SPECSERVE_KERNELS, and its packed linears run its own path."""
+    ext = cpu_kernels.extension()
+    return [name for name in ("scalar", "avx2", "avx512") if ext.cpu_runs(name)]
 
 
 def random_gguf(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -78,7 +80,7 @@ def test_scales_of_any_magnitude_keep_their_precision(magnitude, monkeypatch):
     assert scaled.unit == base.unit * power
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2))
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.ENV, isa)
         want = base.matmul(x, out_fp32=True).double() * power
         if np.isfinite(want.numpy()).all():
             assert torch.equal(scaled.matmul(x, out_fp32=True).double(), want), isa
@@ -109,7 +111,7 @@ def test_kernel_paths_agree_are_row_invariant_and_accurate(kind, monkeypatch):
     reference = x.double() @ dense.double().T
     outputs = {}
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.ENV, isa)
         full = packed.matmul(x, out_fp32=True)
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 64):  # every tile height, each row the same bits
             for start in range(0, 64, rows):
@@ -136,7 +138,7 @@ def test_every_path_quantizes_hard_activations_alike(dtype, monkeypatch):
     x = x.to(dtype)
     outputs = {}
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.ENV, isa)
         outputs[isa] = packed.matmul(x, out_fp32=True)
     for isa, out in outputs.items():
         torch.testing.assert_close(out, outputs["scalar"], rtol=0, atol=0, equal_nan=True, msg=isa)
@@ -169,7 +171,7 @@ def test_bf16_outputs_round_as_torch_does_on_every_path(rows, monkeypatch):
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
     x[0] = 0.0
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.ENV, isa)
         for b in (bias, None):
             want, got = packed.matmul(x, b, out_fp32=True).to(torch.bfloat16), packed.matmul(x, b)
             assert torch.equal(got.isnan(), want.isnan()), isa  # torch's NaN bits differ by path: not compared
@@ -205,7 +207,7 @@ def test_outputs_do_not_depend_on_the_threads_that_compute_them(isa, monkeypatch
     thread computes change from call to call: the outputs may not. A fused call of three formats long enough to be
     shared out (runs cross from one weight to the next), a weight of one tile (fewer tiles than threads), and the
     greedy screen of an lm_head-like weight of over 1024 tiles."""
-    monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+    monkeypatch.setenv(cpu_kernels.ENV, isa)
     parts = [quant.QuantLinear(packed_weight(kind, rows=rows, cols=64, seed=i)[0])
              for i, (kind, rows) in enumerate([("Q5_0", 10000), ("Q8_0", 7000), ("Q4_0", 72)])]
     fused = quant.FusedQuantLinear(parts)
@@ -370,5 +372,5 @@ def test_extreme_codes_and_activations_sum_exactly_on_every_path(bits, group, ze
     x = x.repeat(3, 1)  # 12 rows, more than one pass takes: the 5- and 6-bit tiles are decoded once, then read
     exact = x.double() @ (torch.from_numpy(q.astype(np.float64)) - zero).T  # dx = 1: the integer sums themselves
     for isa in isa_paths():
-        monkeypatch.setenv("SPECSERVE_QUANT_ISA", isa)
+        monkeypatch.setenv(cpu_kernels.ENV, isa)
         assert torch.equal(packed.matmul(x, out_fp32=True).double(), exact), isa
