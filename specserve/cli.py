@@ -167,6 +167,8 @@ def bench(
     num_prompts: Optional[int] = typer.Option(None, help="Use the first N prompts (default: all)."),
     max_tokens: int = typer.Option(128),
     repeat: int = typer.Option(1, min=1, help="Ask each prompt this many times in a row (a retry workload)."),
+    chat: bool = typer.Option(False, "--chat", help="Ask each prompt as a user's message through the model's chat "
+                                                    "template (as /v1/chat/completions does), for every method."),
     model: Optional[str] = typer.Option(None, help=MODEL_HELP),
     draft_model: Optional[str] = typer.Option(None, help=DRAFT_HELP),
     head: list[str] = typer.Option([], help="METHOD=DIR: the head (or draft model) of one method, e.g. "
@@ -185,7 +187,7 @@ def bench(
                                          "trees, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
-    from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
+    from specserve.bench.offline import PEER_METHODS, chat_texts, format_table, load_prompts, run_bench
 
     check_output_file(json_file)
     try:
@@ -203,6 +205,8 @@ def bench(
             heads[registry.label(name)] = directory.strip()
         prompts = [prompt for prompt in load_prompts(dataset, num_prompts) for _ in range(repeat)]
         target = config.model.load()
+        if chat:
+            prompts = chat_texts(target.tokenizer, prompts)
         results = run_bench(config, target, prompts, names, max_tokens, heads)
     except USER_ERRORS as exc:
         fail(str(exc))

@@ -64,6 +64,28 @@ def test_generate_from_model_yaml_equals_plain(checkpoint, tmp_path):
     assert spec["metrics"]["total_draft_tokens"] > 0
 
 
+def test_bench_chat_asks_each_prompt_as_the_chat_endpoint_does(checkpoint, tmp_path, monkeypatch):
+    """--chat hands every runner the chat template's text of each prompt, whose ids are those /v1/chat/completions
+    makes (the template writes the BOS the tokenizer adds: one BOS, not two)."""
+    from specserve.bench import offline
+    from specserve.cli import chat_turn, deployment_config
+    from specserve.config import build_engine
+
+    question = "What is ML?"
+    engine = build_engine(deployment_config(checkpoint("llama"), None, None, None, None, None, "float32"))
+    [text] = offline.chat_texts(engine.tokenizer, [question])
+    assert engine.tokenizer(text).input_ids == chat_turn(engine, question)
+    seen, run_bench = [], offline.run_bench
+    monkeypatch.setattr(offline, "run_bench", lambda config, target, prompts, *rest: seen.extend(prompts) or
+                        run_bench(config, target, prompts, *rest))
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"turns": [question]}) + "\n")
+    result = invoke("bench", "--dataset", data, "--methods", "ar,ngram", "--chat", "--max-tokens", 6, "--model",
+                    checkpoint("llama"), "--dtype", "float32")
+    assert result.exit_code == 0, result.output
+    assert seen == [text]
+
+
 def test_bench_writes_the_contract(checkpoint, tmp_path):
     data = tmp_path / "q.jsonl"
     data.write_text('{"turns": ["def add(a, b):"]}\n{"text": "Once upon a time"}\n')
