@@ -7,7 +7,7 @@ the machine's speed during the run moves every method alike; tokens/s is total o
 so ratios between methods are side by side on the same machine, prompts and token ids. `llamacpp` /
 `llamacpp-pld` (llama.cpp's plain and prompt-lookup decoding of the same GGUF, through llama-cpp-python when it is
 installed) and `llamacpp-native` (llama.cpp's own llama-server built natively: native_llamacpp.py) take the very token
-ids specserve's tokenizer makes. llama-cpp-python's per-token Python loop slows llama.cpp by 20-35%: compare against
+ids specserve's tokenizer makes. llama-cpp-python's per-token Python loop slows llama.cpp down: compare against
 `llamacpp-native`.
 """
 
@@ -277,9 +277,8 @@ def memory_read_seconds(buffer: torch.Tensor, repeats: int = 2) -> float:
 
 def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
     """A plain step next to the time to read its weights once at the measured read bandwidth. The two are timed
-    in pairs, one right after the other, and the median pair's ratio is reported: this VM's bandwidth drifts by
-    half between minutes (31 and 51 GB/s in two runs an hour apart), so a step and a probe timed apart gave
-    ratios of 1.0x and 1.65x for the same step."""
+    in pairs, one right after the other, and the median pair's ratio is reported: a VM's bandwidth drifts between
+    minutes, so a step and a probe timed apart can disagree by half for the same step."""
     from specserve.models.step_costs import StepCosts
 
     weight_bytes = streamed_weight_bytes(model)

@@ -87,7 +87,7 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
   split_items(int64_t(work.size()), [&](const auto& next) {
     float block[kMaxRows * kTile];
-    // in cache lines: an AVX-512 access across two lines costs two (unaligned, the decoded Q6_K tile ran 0.77x)
+    // in cache lines: an AVX-512 access across two lines costs two
     std::vector<CacheLine> decoded_lines(decoded_kblocks * 8);
     DecodedVector* decoded = reinterpret_cast<DecodedVector*>(decoded_lines.data());
     for (int64_t item; (item = next()) >= 0;) {

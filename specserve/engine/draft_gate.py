@@ -15,8 +15,8 @@ target's measured cost of verifying n draft tokens (`StepCosts`, the batch's tab
 E_f / S_f >= E_c / S_c, where S is the arm's measured seconds per step (this request's share of the step's wall
 time) once the engine reports it, else d + v(n). The table times bare chain forwards; a step in the generation
 loop also pays tree attention masks, feature capture, commit and sampling, and a tree's step costs more above the
-table than a plain one (on AVX2, a 1-node EAGLE-3 tree verified 4 ms above a plain step where the table says 1.8),
-so prices from the table alone kept drafting a head that lost 5-15%. While the full draft has been measured and
+table than a plain one (docs/design-notes.md, "Kept settings"), so prices from the table alone kept drafting a
+head that lost. While the full draft has been measured and
 the cheap step has not, the gate takes one cheap step to measure it. Estimates are exponentially smoothed (the
 last few steps count most) and start from the method's pool (every request so far, forgetting slowly), so a new
 request does not relearn a bad head.

@@ -37,7 +37,7 @@ def skipped_special_ids(tokenizer) -> frozenset[int]:
 class IncrementalDetokenizer:
     """The text of a growing list of token ids, as `tokenizer.decode(ids, skip_special_tokens=True)` gives it,
     for a few tokens' decoding per step instead of all of them (a full decode per step made a long output
-    quadratic: 0.74 ms a step at 2,048 tokens for Gemma's tokenizer).
+    quadratic).
 
     Windowed as vLLM's detokenize_incrementally: the text up to `read` is settled; each step decodes the ids
     from `prefix` (the settled window's start, at a character boundary) on, and the new text is what that

@@ -106,7 +106,7 @@ def _share_with_transformers(undo: ExitStack) -> None:
     # transformers imports these from their modules each time it reads a file or maps its names
     gguf.GGUFReader = read
     hf_gguf.load_gguf_checkpoint = partial(_metadata_once, load_checkpoint)
-    gguf.get_tensor_name_map = lru_cache(maxsize=8)(name_map)  # asked again for every submodule: 10 ms each
+    gguf.get_tensor_name_map = lru_cache(maxsize=8)(name_map)  # asked again for every submodule, built each time
     _local.transformers_shared = True
 
     def restore() -> None:

@@ -11,8 +11,8 @@ transformer.py computes on the same kernels for the linears and attention.
 
 What the calls need is gathered once per model (`KernelPlan`): nn.Module attribute lookups and per-call checks
 cost more than the glue kernels themselves. Two loops run the plan: by default cpu_kernels.inc's `LayerStack` runs
-every layer in one C++ call (the Python between ~160 kernel calls cost ~2.3 ms of a 17 ms step of the 270M default
-model); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
+every layer in one C++ call (the Python between a step's ~160 kernel calls is a visible share of a small model's
+step); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
 the tests hold the C++ loop to, bit for bit.
 
 Under tensor parallelism (specserve/parallel) a layer's o and down projections give this rank's partial sums in

@@ -140,7 +140,7 @@ class KVCache:
     def attention_masks(self, positions: torch.Tensor, slots: torch.Tensor, tree_mask: torch.Tensor | None,
                         sliding_window: int | None) -> dict[str, torch.Tensor]:
         """Boolean masks [B, 1, T, S] (True = attend) for full and sliding-window layers: the CPU kernel's one
-        pass where it is built (~12 PyTorch ops took ~0.2 ms of a 10 ms decoding step), else `masks_by_torch`."""
+        pass where it is built (instead of ~12 PyTorch ops), else `masks_by_torch`."""
         span = int(slots.max()) + 1
         if span > self.capacity:
             raise ValueError(f"KV cache overflow: need {span} slots, capacity is {self.capacity}")

@@ -3,9 +3,9 @@
 Both give each row's exact argmax, so the choice is about time only. The screen reads ~2/3 of the lm_head's bytes
 and then computes exactly only the tiles whose upper bound reaches a row's best lower bound. Where the rows' logits
 are peaked (text the model predicts well) that is a few hundred of the default model's 16k tiles, and a call costs
-~0.75-0.85x the plain lm_head. Where they are flat (random-token prompts, text the model has no guess for) most
-tiles become candidates, and the screen pass plus their exact pass cost more than the plain lm_head: forwards of
-1-8 random tokens ran 1.4-1.8x slower through the screen than with full logits (docs/quantization.md).
+less than the plain lm_head. Where they are flat (random-token prompts, text the model has no guess for) most
+tiles become candidates, and the screen pass plus their exact pass cost more than the plain lm_head (the figures:
+docs/quantization.md, docs/design-notes.md).
 
 Each path's time is followed per row count (buckets 1, 2, 3-4, 5-8, ...) as a moving mean of its calls, and a
 call takes the path whose mean is lower; the screen keeps ties within `margin` (the VM's noise), as it wins on

@@ -353,7 +353,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, hf_config, dtype: torch.dtype = torch.float32):
         super().__init__()
-        torch.set_flush_denormal(True)  # tiny activations as denormals slow CPU matmuls down by ~50x
+        torch.set_flush_denormal(True)  # tiny activations as denormals slow CPU matmuls down many times
         self.hf_config = hf_config
         self.spec = ArchSpec.from_hf_config(hf_config)
         self.model = Model(self.spec)

@@ -150,7 +150,7 @@ def create_metrics_app(metrics: ServerMetrics) -> Starlette:
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then; without it every response on a
-    # kept-alive connection waited ~40 ms for the client's delayed ACK (Nagle)
+    # kept-alive connection waited for the client's delayed ACK (Nagle)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

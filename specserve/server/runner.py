@@ -177,7 +177,7 @@ class RequestHandle:
     async def collect(self) -> StreamEvent:
         """Run to the end and close: one StreamEvent with the whole text and token ids, and the result. The runner
         then hands over the events at the end, not step by step: each hand-off wakes the event loop, which takes
-        a core from the forward (on 2 cores, concurrency 1 ran ~2% faster without them)."""
+        a core from the forward."""
         self.streaming = False
         texts, ids, last = [], [], None
         try:
@@ -324,7 +324,7 @@ class Runner:
     def _run_slice(self, batch) -> None:
         """On the compute thread, for up to SLICE_SECONDS (runners of other models share the thread): admit queued
         requests into free rows between steps, run a step, deliver its events. Steps follow each other on the one
-        thread; a hand-off to this runner's thread per step left the compute thread idle ~8% of the time."""
+        thread; a hand-off to this runner's thread per step would leave the compute thread idle between steps."""
         owners = self._owners
         deadline = time.perf_counter() + self.SLICE_SECONDS
         while time.perf_counter() < deadline:

@@ -125,10 +125,10 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs bf16 inference on the CPU kernels (PyTorch's small bf16 GEMMs cost ~0.5 ms each,
-    most of a drafting level), 64 rows per call: a head catching up on the tokens of the steps its draft gate
-    skipped runs ~100 rows, which PyTorch's bf16 GEMM took 10 ms for on a CPU without native bf16. Training and
-    other dtypes take the usual path."""
+    """nn.Linear that runs bf16 inference on the CPU kernels (PyTorch's small bf16 GEMMs were most of a drafting
+    level), 64 rows per call: a head catching up on the tokens of the steps its draft gate skipped runs ~100 rows,
+    which PyTorch's bf16 GEMM is slow at on a CPU without native bf16. Training and other dtypes take the usual
+    path."""
 
     ROWS_PER_CALL = 64
 

@@ -321,8 +321,8 @@ class EagleProposer(Proposer):
         depth = 1
         while True:
             expand = [n for p, n in by_path.items() if len(p) == depth and p in children]
-            # under measured costs, only the part that can pay is drafted: a 63-node tree whose EAGLE-1 levels run
-            # the target's 262k-token lm_head over every expanded node cost ~135 ms a step to draft whole
+            # under measured costs, only the part that can pay is drafted: EAGLE-1's levels run the target's
+            # 262k-token lm_head over every expanded node
             floor = self._path_floor()
             expand = self.budget.worth_expanding(nodes, [n for n in expand if nodes.scores[n] >= floor])
             if not expand:
@@ -438,9 +438,9 @@ def dynamic_if_asked(settings: dict) -> MethodEntry:
 
 HEAD = "the directory of the EAGLE head"
 BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # eagle3+ngram, eagle3+suffix
-# a tree with a lookup branch, unless max_draft_len is given: as deep as `ngram`'s cap, 6 (0.98x `ngram` against
-# 0.91x at depth 4 with n-grams up to 3 on general questions, AVX2 Zen 3): the tree budget and the draft gate keep
-# the head's own levels from going deeper than they pay
+# a tree with a lookup branch, unless max_draft_len is given: as deep as `ngram`'s cap (a shallower branch lost
+# to `ngram` alone: docs/design-notes.md); the tree budget and the draft gate keep the head's own levels from going
+# deeper than they pay
 COMBINED_DRAFT_CAP = NGRAM.adaptive_draft_cap
 EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
                      head_kind="eagle", combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True,

@@ -1,14 +1,13 @@
 """An EAGLE head's drafting forward on the CPU kernels: the decoder layer in one C++ call, weights in int4 or int8.
 
 Drafting runs the head a few times per step, each time over 1-8 rows, right after the target's forward has
-evicted the caches. In PyTorch a head forward is ~60 small ops and nine bf16 GEMM calls: ~4 ms for 26 MB of bf16
-weights that a memory-bound read takes ~1.5 ms for. Here the decoder layers run as the target's do (cpu_kernels'
+evicted the caches. In PyTorch a head forward is ~60 small ops and nine bf16 GEMM calls, several times what reading
+its weights once takes. Here the decoder layers run as the target's do (cpu_kernels'
 `LayerStack`, the layer's fused q/k/v and gate/up projections, rope, attention and norms in one call), the rope
 tables are precomputed, and every linear is packed in int4 (the default) or int8 blocks of 32 (quant.py): a
 quarter or half of the bytes read. A step drafts right after the target's forward has evicted the head's weights
-from the caches, so the bytes set the time: on the default model with the shipped EAGLE-3 head (AVX2), int4 heads
-ran at 1.054x and 1.062x the tokens/s of int8 ones on 20 general questions and 20 HumanEval prompts
-(`benchmarks/draft_length_ab.py`).
+from the caches, so the bytes set the time, and int4 heads run faster than int8 ones (docs/design-notes.md, "Kept
+settings"; `benchmarks/draft_length_ab.py`).
 
 The layer maps onto LayerStack's Llama layer as follows (eagle.py has the layouts):
 

@@ -3,8 +3,8 @@ the heads a tree reaches.
 
 A step drafts from one hidden state (the target's last), so each head is a chain of one-row products: its
 ResBlocks (x + SiLU(W x + b)) and its lm_head over the draft vocabulary. In PyTorch these are bf16 GEMMs, which a
-CPU without bf16 units emulates: the three shipped heads (6,144-row lm_heads) took ~4 ms a step on an AVX2 CPU,
-a fifth of a target step. Here each linear is packed in blocks of 32 (quant.py) and runs as one kernel call with
+CPU without bf16 units emulates: the three shipped heads (6,144-row lm_heads) took a fifth of a target step on an
+AVX2 CPU. Here each linear is packed in blocks of 32 (quant.py) and runs as one kernel call with
 fp32 outputs, the SiLU and residual in fp32, and a step runs a head only where the tree budget finds its level
 worth drafting (`medusa_draft.py`). A step drafts right after the target's forward has evicted the heads from the
 caches, so their bytes set the time: int4 is the default, as for EAGLE heads (eagle_kernels.py).

@@ -13,8 +13,7 @@ from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Pro
 
 class NGramIndex:
     """Prompt lookup over one request's growing context, in time proportional to the tokens added since the last
-    call rather than to the whole context (a tensor scan of it took ~110 us a call at 150 tokens and ~590 at
-    4,000; a step looks up twice per request, its draft and its shadow draft). For each n it keeps, per n-gram, the
+    call rather than to the whole context (a step looks up twice per request, its draft and its shadow draft). For each n it keeps, per n-gram, the
     position after its latest occurrence that ends before the last token. The context may only grow between
     calls; one that does not (shorter, or another last indexed token) is indexed anew."""
 
@@ -77,8 +76,7 @@ class NGramProposer(Proposer):
         self.index = NGramIndex(min_n, max_n)
 
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
-        # a longer matched n-gram is a surer continuation (the default model on HumanEval and on general questions:
-        # 81-97% of 3-gram drafts had their first token accepted, 41-51% of 1-gram ones): drafts are priced per n
+        # a longer matched n-gram is a surer continuation (docs/design-notes.md): drafts are priced per n
         n, draft = self.index.lookup(tokens, max_len)
         return Proposal.chain(tokens[-1], draft, evidence=n)
 
