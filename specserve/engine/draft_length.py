@@ -48,7 +48,15 @@ class ShadowDraft:
 
 class DraftLengthChoice:
     """A batch engine's draft-length choice and what it learns: each running request's acceptance (and their
-    pool), the shadow drafts of methods that draft for free, and a model-drafted chain's time per token."""
+    pool), the shadow drafts of methods that draft for free, and a model-drafted chain's time per token.
+
+    A model drafter learns both its acceptance and its time only from the drafts it makes, so once its estimates
+    say drafting does not pay it would never learn otherwise: after `PROBE_AFTER` steps without a draft it drafts
+    one step anyway (the best positive length), the wait doubling after each probe up to `PROBE_MAX`; a step that
+    chooses to draft resets it. A probe costs one draft, a small share of the steps it waits."""
+
+    PROBE_AFTER = 8  # undrafted steps before a model drafter's first probe
+    PROBE_MAX = 256  # the longest wait between probes
 
     def __init__(self, engine, costs: StepCosts | None):
         self.engine = engine  # its method and max_draft_len
@@ -57,6 +65,8 @@ class DraftLengthChoice:
         self.pooled = AcceptanceByEvidence.pooled()  # every request's, the prior of each new one's
         self.shadows: dict[Sequence, list[ShadowDraft]] = {}  # drafts scored, not verified (`learns_from_shadows`)
         self.draft_seconds_per_token: float | None = None  # a model-drafted chain's, smoothed
+        self.undrafted = 0  # a model drafter's steps without a draft since it last drafted
+        self.probe_wait = self.PROBE_AFTER
 
     def forget(self) -> None:
         """Start the pool over (between runs of a benchmark); running requests keep their own estimates."""
@@ -76,7 +86,8 @@ class DraftLengthChoice:
         self.acceptance[seq].update(drafted, accepted, proposal.evidence)
         method = self.engine.method
         if drafted and not (method.drafts_for_free or method.drafts_trees):
-            per_token = proposal.seconds / drafted
+            per_token = proposal.seconds_per_token if proposal.seconds_per_token is not None else \
+                proposal.seconds / drafted
             self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
                 0.8 * self.draft_seconds_per_token + 0.2 * per_token
 
@@ -137,7 +148,22 @@ class DraftLengthChoice:
             return tokens / (self.costs(len(seqs) * (max(drafted) + 1), sum(d + 1 for d in drafted))
                              + drafting * sum(drafted))
 
-        return max(range(top + 1), key=throughput)
+        best = max(range(top + 1), key=throughput)
+        return self._probed(best, top, throughput)
+
+    def _probed(self, best: int, top: int, throughput) -> int:
+        """`best`, or for a model drafter that has waited `probe_wait` undrafted steps, the best positive length."""
+        method = self.engine.method
+        if method.drafts_for_free or method.drafts_trees:
+            return best
+        if best:
+            self.undrafted, self.probe_wait = 0, self.PROBE_AFTER
+            return best
+        self.undrafted += 1
+        if self.undrafted < self.probe_wait:
+            return 0
+        self.undrafted, self.probe_wait = 0, min(2 * self.probe_wait, self.PROBE_MAX)
+        return max(range(1, top + 1), key=throughput)
 
     def _draft_available(self, seq: Sequence, top: int) -> tuple[int, Hashable]:
         """How long a draft the request has now, and its evidence, where drafts are scored as shadows: its latest

@@ -36,6 +36,8 @@ class Proposal:
     # keeps a request's acceptance apart per value (None: one estimate for all its drafts)
     evidence: Hashable | None = None
     seconds: float = 0.0  # the time the proposer took to draft it (the draft gate's cost of drafting)
+    # a model drafter's time per drafted token, without a one-time catch-up of its cache (None: seconds / tokens)
+    seconds_per_token: float | None = None
     cheap: bool = False  # drafted without running a model (the draft gate counts it as its cheap kind of step)
 
     @classmethod

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import time
+
 import torch
 
 from specserve.checks import ConfigError
 from specserve.models import cpu_kernels
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel, load_model
+from specserve.models.transformer import GreedyChoices
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.ngram import common_prefix_length
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
@@ -19,7 +22,12 @@ from specserve.speculative.weights import read_draft_vocab
 
 class DraftModelProposer(Proposer):
     """Its KV cache follows the committed tokens by keeping the longest prefix it already holds, so a rejection
-    costs only a length change."""
+    costs only a length change. A greedy draft asks the draft model for its argmaxes only (its lm_head's greedy
+    screen, where it has one). A proposal reports the draft's time per token from its drafting forwards alone: the
+    cache catches up over a prompt or a run of undrafted steps in a forward of its own, paid once rather than priced
+    into every drafted token (which would stop a cheap draft from drafting again)."""
+
+    CATCH_UP = 3  # more tokens than this to feed: all but the last go in a cache-only forward first
 
     def __init__(self, draft_model, target_vocab: int, params: SamplingParams, generator: torch.Generator,
                  capacity: int):
@@ -40,14 +48,32 @@ class DraftModelProposer(Proposer):
             return torch.cat([logits, pad], dim=-1)
         return logits
 
-    def _feed(self, new_tokens: list[int]) -> torch.Tensor:
+    def _feed(self, new_tokens: list[int], greedy: bool) -> torch.Tensor | int:
+        """The draft's logits after `new_tokens` (aligned to the target's vocabulary), or with `greedy` its argmax
+        where the forward gives argmaxes only."""
+        out = self._forward(new_tokens, torch.tensor([[len(new_tokens) - 1]]), greedy)
+        if isinstance(out.logits, GreedyChoices):
+            return int(out.logits.ids[0, -1])
+        return self._align_vocab(out.logits[0, -1])
+
+    def _catch_up(self, new_tokens: list[int]) -> None:
+        """Feed tokens into the draft's cache, no logits."""
+        self._forward(new_tokens, torch.empty(1, 0, dtype=torch.long), False)
+
+    def _forward(self, new_tokens: list[int], logits_rows: torch.Tensor, greedy: bool):
         start = len(self.fed)
         positions = torch.arange(start, start + len(new_tokens))[None]
-        out = self.model(torch.tensor([new_tokens]), positions, self.cache, positions,
-                         logits_rows=torch.tensor([[len(new_tokens) - 1]]))
+        out = self.model(torch.tensor([new_tokens]), positions, self.cache, positions, logits_rows=logits_rows,
+                         greedy=greedy)
         self.fed.extend(new_tokens)
         self.cache.lengths[0] = len(self.fed)
-        return self._align_vocab(out.logits[0, -1])
+        return out
+
+    def _greedy_choices(self) -> bool:
+        """Whether drafts may ask for argmaxes alone: greedy, no grammar to mask the logits with, and a draft
+        vocabulary no larger than the target's (every argmax is then one of the target's ids, as it is of the
+        aligned logits)."""
+        return self.params.greedy and self.grammar is None and self.model.spec.vocab_size <= self.target_vocab
 
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         if max_len <= 0:
@@ -56,15 +82,25 @@ class DraftModelProposer(Proposer):
         del self.fed[keep:]
         self.cache.lengths[0] = keep
         feed = tokens[keep:]
+        if len(feed) > self.CATCH_UP:
+            self._catch_up(feed[:-1])
+            feed = feed[-1:]
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
         pushed = 0  # tokens the grammar took for this draft
+        greedy = self._greedy_choices()
+        step_seconds: list[float] = []  # the drafting forwards'
         try:
             for _ in range(max_len):
-                logits = self._constrained(self._feed(feed))
+                start = time.perf_counter()
+                out = self._feed(feed, greedy)
+                step_seconds.append(time.perf_counter() - start)
+                logits = out if isinstance(out, int) else self._constrained(out)
                 if logits is None:  # the grammar allows nothing the draft can say: the target goes on alone
                     break
-                if self.params.greedy:
+                if isinstance(logits, int):
+                    token = logits
+                elif self.params.greedy:
                     token = int(cpu_kernels.argmax(logits))
                 else:
                     q = probabilities(logits[None], self.params)[0]
@@ -80,7 +116,10 @@ class DraftModelProposer(Proposer):
         finally:
             if self.grammar is not None:  # the request's grammar stays where its emitted tokens left it
                 self.grammar.pop(pushed)
-        return Proposal.chain(tokens[-1], drafted, torch.stack(dists) if dists else None)
+        proposal = Proposal.chain(tokens[-1], drafted, torch.stack(dists) if dists else None)
+        if step_seconds:
+            proposal.seconds_per_token = sum(step_seconds) / len(step_seconds)
+        return proposal
 
     def _constrained(self, logits: torch.Tensor) -> torch.Tensor | None:
         """A guided request drafts from the draft's logits masked by its grammar, so a sampled draft's q is the
@@ -110,7 +149,16 @@ def build(options: MethodOptions, target: LoadedModel) -> DraftModelMethod:
         draft.model.restrict_vocab(read_draft_vocab(Path(options.model), target.model.spec.vocab_size))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    warm(draft.model)
     return DraftModelMethod(draft.model, target.model.spec.vocab_size)
+
+
+def warm(draft_model) -> None:
+    """Make now what the draft's first forward would make (its greedy screen, its layer stack): the draft-length
+    choice prices drafting by the first drafts' times, and a one-time cost there would stop it from drafting."""
+    cache = KVCache.for_model(draft_model, 1, 1)
+    token = torch.zeros(1, 1, dtype=torch.long)
+    draft_model(token, token, cache, token, logits_rows=token, greedy=True)
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
