@@ -157,11 +157,16 @@ def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
 COSTS_AT_THE_EDGE = on_sizes({1: 1.0, 2: 1.8, 4: 2.8, 8: 5.6, 16: 11.2, 32: 22.4, 64: 44.8})
 
 
-@pytest.mark.parametrize("free", [True, False])
-def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free):
+@pytest.mark.parametrize("free,probes", [(True, False), (False, True), (False, False)])
+def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free, probes, monkeypatch):
     """Where drafting costs no forward, drafts the batch did not verify are scored against what the request
-    emits, so a choice of "no drafts" made on the prior is revised. Learnt from verified drafts alone (the
-    control), the estimate stays at its prior and the request decodes one token per forward."""
+    emits, so a choice of "no drafts" made on the prior is revised at once. Where a draft costs a forward, the
+    choice drafts one probe step after PROBE_AFTER undrafted ones and is revised from it. Learnt from verified
+    drafts alone with no probes (the control), the estimate stays at its prior and the request decodes one token
+    per forward."""
+    from specserve.engine.draft_length import DraftLengthChoice
+
+    monkeypatch.setattr(DraftLengthChoice, "PROBE_AFTER", DraftLengthChoice.PROBE_AFTER if probes else 10**9)
     target = loaded("llama")
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = Engine(target).generate(PROMPTS[0], params)
@@ -173,6 +178,8 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free)
     assert result.token_ids == plain.token_ids
     if free:
         assert result.metrics.target_forwards < 20, result.metrics.target_forwards
+    elif probes:  # the first PROBE_AFTER steps decode alone, then the probe's verdict opens drafting
+        assert DraftLengthChoice.PROBE_AFTER < result.metrics.target_forwards < 30, result.metrics.target_forwards
     else:
         assert result.metrics.target_forwards == 40
 
