@@ -34,3 +34,13 @@ def test_a_command_with_a_bad_setting_stops_before_any_work(monkeypatch):
     monkeypatch.setenv("SPECSERVE_LAYER_LOOP", "rust")
     result = CliRunner().invoke(app, ["generate", "def f():", "--max-tokens", "1"])
     assert result.exit_code == 2 and "SPECSERVE_LAYER_LOOP='rust'" in result.output
+
+
+def test_an_empty_cache_setting_is_the_default_cache(monkeypatch, tmp_path):
+    from specserve.models.model_files import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SPECSERVE_CACHE", "")
+    assert cache_root() == tmp_path / ".cache" / "specserve"
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_root() == tmp_path / "elsewhere" and cache_root().is_dir()

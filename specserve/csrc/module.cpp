@@ -28,7 +28,8 @@ bool cpu_runs(const std::string& variant) {
   if (variant == "avx2") return avx2;
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                      __builtin_cpu_supports("avx512vnni") && leaf7(1, 0, 5) /* AVX512_BF16 */;
+                      __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("gfni") &&
+                      leaf7(1, 0, 5) /* AVX512_BF16 */;
   if (variant == "avx512") return avx512;
   // AMX-BF16 (edx bit 22) and AMX-TILE (bit 24); the kernel asks Linux for the tile state before using it
   if (variant == "amx") return avx512 && leaf7(0, 3, 22) && leaf7(0, 3, 24);

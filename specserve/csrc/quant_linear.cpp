@@ -13,9 +13,11 @@
 //   qs      uint8  [tiles, K/32, 512]  8 bits: groups g = 0..7 of 4 inputs, each [16 outputs][4 inputs]
 //                  [tiles, K/32, 256]  4..6 bits: chunk c = 0..3 of 64 bytes holds group c (low nibble) and
 //                                      group c + 4 (high nibble), each byte at [output * 4 + input]
-//   planes uint8   [tiles, K/32, P, 64]  plane p, byte j: bit g is bit 4 + p of group g's code at byte j
-//                                      (P = bits - 4, 5- and 6-bit formats); a half tile's plane is one 32-byte
-//                                      load, and a group's bits come out of it with a shift and a mask
+//   planes uint8   [tiles, K/32, P, 64]  P = bits - 4, 5- and 6-bit formats. 5 bits: byte j's bit g is bit 4 of
+//                                      group g's code at byte j. 6 bits: plane g / 4, byte j: bits 2 (g % 4) and
+//                                      2 (g % 4) + 1 are bits 4 and 5 of group g's code at byte j. A group's high
+//                                      bits come out of one plane with one GF2P8AFFINEQB (AVX-512) or a shift and
+//                                      a mask (AVX2, per half tile: one 32-byte load)
 //   scales fp16    [tiles, K/32, 32/G, 16], offsets (optional) the same; G = 16 or 32. Both are stored divided by
 //                  the weight's `unit`, a power of two that puts its largest at 2^14..2^15, so fp16 holds every
 //                  GGUF f16 scale exactly and a K-quant's d * sc to 2^-12; a tile's sums come out in that unit and

@@ -17,7 +17,8 @@ class ModelLoadError(ValueError):
 
 
 def cache_root() -> Path:
-    root = Path(os.environ.get("SPECSERVE_CACHE", Path.home() / ".cache" / "specserve"))
+    """$SPECSERVE_CACHE, or ~/.cache/specserve where it is unset or empty (as settings.py reads every variable)."""
+    root = Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve")
     root.mkdir(parents=True, exist_ok=True)
     return root
 

@@ -373,13 +373,16 @@ def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     if bits == 4:
         return qs, None
     planes = torch.zeros(*groups.shape[:2], bits - 4, 64, dtype=torch.uint8)
-    for p in range(bits - 4):  # plane p, byte j: bit g is bit 4 + p of group g's code at position j
+    if bits == 5:  # plane 0, byte j: bit g is bit 4 of group g's code at position j
         for g in range(8):
-            planes[:, :, p] |= ((groups[:, :, g] >> (4 + p)) & 1) << g
+            planes[:, :, 0] |= ((groups[:, :, g] >> 4) & 1) << g
+    else:  # plane g // 4, byte j: bits 2 (g % 4) and up are bits 4 and 5 of group g's code at position j
+        for g in range(8):
+            planes[:, :, g // 4] |= ((groups[:, :, g] >> 4) & 3) << (2 * (g % 4))
     return qs, planes
 
 
-PACK_VERSION = 4  # bump when the packed layout changes: cached files of another version are ignored
+PACK_VERSION = 5  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind", "unit")
 
 
