@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specserve.smoothing import smoothed
+
 REOPEN_MARGIN = 1.1  # a closed gate reopens only where the full draft's rate beats the cheap step's by this
 MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
 PROBE_STEPS = 2
@@ -64,11 +66,8 @@ class Arm:
 
     def observe(self, tokens: int, nodes: int, draft_seconds: float | None, step_seconds: float | None,
                 decay: float) -> None:
-        if self.tokens is None:
-            self.tokens, self.nodes = float(tokens), float(nodes)
-        else:
-            self.tokens = decay * self.tokens + (1 - decay) * tokens
-            self.nodes = decay * self.nodes + (1 - decay) * nodes
+        self.nodes = float(nodes) if self.tokens is None else smoothed(self.nodes, nodes, decay)
+        self.tokens = smoothed(self.tokens, float(tokens), decay)
         self.draft_seconds = smoothed(self.draft_seconds, draft_seconds, decay)
         self.seconds = smoothed(self.seconds, step_seconds, decay)
 
@@ -82,12 +81,6 @@ class Arm:
 
     def copy(self) -> Arm:
         return Arm(self.tokens, self.draft_seconds, self.nodes, self.seconds)
-
-
-def smoothed(estimate: float | None, reading: float | None, decay: float) -> float | None:
-    if reading is None:
-        return estimate
-    return reading if estimate is None else decay * estimate + (1 - decay) * reading
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from specserve.engine.sequence import Sequence, reproducible
 from specserve.models.step_costs import StepCosts
+from specserve.smoothing import smoothed
 from specserve.speculative.acceptance import AcceptanceByEvidence
 from specserve.speculative.tree import DraftTree
 
@@ -57,6 +58,7 @@ class DraftLengthChoice:
 
     PROBE_AFTER = 8  # undrafted steps before a model drafter's first probe
     PROBE_MAX = 256  # the longest wait between probes
+    DRAFT_TIME_KEEP = 0.8  # the share of the drafting time per token a new reading keeps
 
     def __init__(self, engine, costs: StepCosts | None):
         self.engine = engine  # its method and max_draft_len
@@ -87,8 +89,7 @@ class DraftLengthChoice:
         if drafted and self.drafts_with_a_model:
             per_token = proposal.seconds_per_token if proposal.seconds_per_token is not None else \
                 proposal.seconds / drafted
-            self.draft_seconds_per_token = per_token if self.draft_seconds_per_token is None else \
-                0.8 * self.draft_seconds_per_token + 0.2 * per_token
+            self.draft_seconds_per_token = smoothed(self.draft_seconds_per_token, per_token, self.DRAFT_TIME_KEEP)
 
     @property
     def drafts_with_a_model(self) -> bool:

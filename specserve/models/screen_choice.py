@@ -21,11 +21,13 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.smoothing import smoothed
+
 
 class ScreenChoice:
     """Per row-count bucket: each path's moving mean time and the bucket's calls."""
 
-    SMOOTHING = 0.25  # weight of the newest reading in a moving mean
+    KEEP = 0.75  # the share of a path's mean time that a new reading keeps
 
     def __init__(self, margin: float = 1.1, probe_every: int = 8, refresh_every: int = 64,
                  clock: Callable[[], float] = time.perf_counter):
@@ -61,6 +63,5 @@ class ScreenChoice:
         b = self.bucket(rows)
         self.calls[b] = self.calls.get(b, 0) + 1
         means = self.screen if screen else self.plain
-        mean = means.get(b)
-        means[b] = seconds if mean is None else mean + self.SMOOTHING * (seconds - mean)
+        means[b] = smoothed(means.get(b), seconds, self.KEEP)
         return out

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.smoothing import smoothed
 from specserve.speculative.tree import DraftTree
 
 
@@ -86,6 +87,8 @@ class Nodes:
 class TreeBudget:
     """One request's budget; `nodes` is the growing tree (`Nodes`)."""
 
+    KEEP = 0.8  # the share of the level time and the child share that a new reading keeps
+
     def __init__(self, verify_seconds: Callable[[int], float] | None, top_k: int, total_tokens: int, static: bool):
         self.verify_seconds = verify_seconds
         self.top_k, self.total_tokens, self.static = top_k, total_tokens, static
@@ -113,7 +116,7 @@ class TreeBudget:
             self.pending_prediction = None
 
     def time_level(self, elapsed: float) -> None:
-        self.level_seconds = elapsed if self.level_seconds is None else 0.8 * self.level_seconds + 0.2 * elapsed
+        self.level_seconds = smoothed(self.level_seconds, elapsed, self.KEEP)
 
     def best(self, nodes) -> tuple[list[int], float]:
         """The best nodes to verify and the expected tokens per second of verifying them."""
@@ -150,7 +153,7 @@ class TreeBudget:
         """The top child's draft log-probability under each node a level expanded."""
         if top_logps:
             share = sum(math.exp(logp) for logp in top_logps) / len(top_logps)
-            self.child_share = 0.8 * self.child_share + 0.2 * share
+            self.child_share = smoothed(self.child_share, share, self.KEEP)
 
     def worth_another_level(self, nodes, expand: list[int]) -> bool:
         """Whether drafting a level below `expand` raises the step's expected tokens/s: its expected gain (each

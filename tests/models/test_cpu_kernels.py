@@ -209,9 +209,11 @@ def test_norm_glue_is_bit_identical_on_the_scalar_path(scalar_build, d):
 
 
 @pytest.mark.parametrize("k, n", [(640, 70), (1920, 33), (100, 9), (33, 5)])
-def test_small_linear_is_bit_identical_on_the_scalar_path(scalar_build, k, n):
+def test_small_linear_is_bit_identical_on_the_scalar_path(scalar_build, variant, k, n):
     """The vector tiles (AVX2's blocked pairs, AVX512-BF16's VDPBF16PS) add the same products in the same order
     as the scalar model, for every row count a tile edge can leave and K off the 32-element step."""
+    if variant == "amx":  # its rows stay independent of the batch (the test above), which is what decoding needs
+        pytest.skip("TDPBF16PS adds a tile row's 16 pairs in an order of its own that no scalar order reproduces")
     x, w = bf16(9, k), bf16(n, k)
     for m in range(1, 10):
         assert torch.equal(ck.small_linear(x[:m], w, out_fp32=True),
