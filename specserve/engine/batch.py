@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 
-from specserve.engine.draft_gate import DraftGate, GatePool
+from specserve.engine.draft_gate import StepGates, Verdict
 from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.output import StreamEvent
-from specserve.engine.sequence import PREFILL_CHUNK, Sequence, reproducible
+from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.models.kv_cache import KVCache
 from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.speculative.sampling import SamplingParams
@@ -64,16 +63,14 @@ class BatchEngine:
         self.stats = BatchStats()
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is chosen per step below
-        self.gated = self.costs is not None and engine.method.drafts_trees
-        self.gates: dict[tuple[Sequence, Hashable], DraftGate] = {}  # per request and kind of step
-        self.step_gates: dict[Sequence, DraftGate] = {}  # the gate each request's current step went through
-        self.gate_pools: dict[Hashable, GatePool] = {}  # per kind of step (Proposer.situation)
+        self.gates = StepGates() if self.costs is not None and engine.method.drafts_trees else None
 
     def forget_acceptance(self) -> None:
         """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
         keep their own estimates."""
         self.draft_length.forget()
-        self.gate_pools = {}
+        if self.gates is not None:
+            self.gates.forget()
 
     @property
     def active(self) -> int:
@@ -154,7 +151,7 @@ class BatchEngine:
         started = time.perf_counter()
         draft_len = self.draft_length.choose(self.rows)
         verify = self._verify_share(len(self.rows))
-        cheap = frozenset(seq for seq in self.rows if self.gated and not self._gate(seq, draft_len).decide(verify))
+        cheap = self.gates.cheap_rows(self.rows, draft_len, verify) if self.gates is not None else frozenset()
         failed = self.engine.draft(self.rows, draft_len, cheap)  # a failed proposer ends its request alone
         for seq, _ in failed:
             self._remove(seq)
@@ -169,15 +166,13 @@ class BatchEngine:
             before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
                       for seq in seqs]
             events = self._forward(seqs)
-            shares = self._step_shares(time.perf_counter() - started, [p for _, _, p in before], verify) \
-                if self.gated else {}
-            for seq, (drafted, accepted, proposal) in zip(seqs, before):
-                drafted = seq.metrics.total_draft_tokens - drafted
-                accepted = seq.metrics.total_accepted_draft_tokens - accepted
-                self.draft_length.record(seq, drafted, accepted, proposal)
-                if self.gated and seq in self.step_gates:
-                    self.step_gates[seq].observe(not proposal.cheap, 1 + accepted, drafted, proposal.seconds,
-                                                 verify, None if reproducible(seq) else shares.get(id(proposal)))
+            verdicts = [Verdict(seq, seq.metrics.total_draft_tokens - drafted,
+                                seq.metrics.total_accepted_draft_tokens - accepted, proposal)
+                        for seq, (drafted, accepted, proposal) in zip(seqs, before)]
+            for v in verdicts:
+                self.draft_length.record(v.seq, v.drafted, v.accepted, v.proposal)
+            if self.gates is not None:
+                self.gates.observe(verdicts, time.perf_counter() - started, verify)
         self.stats.steps += 1
         self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
         return failed + self._collect(seqs, events)
@@ -222,8 +217,8 @@ class BatchEngine:
             self.rows[row] = self.rows[last]
         self.rows.pop()
         self.draft_length.leave(seq)
-        self.gates = {key: gate for key, gate in self.gates.items() if key[0] is not seq}
-        self.step_gates.pop(seq, None)
+        if self.gates is not None:
+            self.gates.leave(seq)
         self.cache.lengths[last] = 0
         self._fit_cache()
 
@@ -231,25 +226,6 @@ class BatchEngine:
         """Size the cache to the rows' committed, pending and draft tokens (slot == position)."""
         slots = max((len(seq.tokens) + len(seq.pending) + len(seq.proposal.tokens) for seq in self.rows), default=0)
         self.cache.fit(len(self.rows), slots)
-
-    def _gate(self, seq: Sequence, draft_len: int) -> DraftGate:
-        """The request's gate for the kind of step it is at (Proposer.situation), now its step's gate."""
-        situation = seq.proposer.situation(seq.context, seq.draft_room(draft_len))
-        key = (seq, situation)
-        if key not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
-            pool = GatePool() if reproducible(seq) else self.gate_pools.setdefault(situation, GatePool())
-            self.gates[key] = DraftGate(pool, times_catch_up=situation is not None)
-        self.step_gates[seq] = self.gates[key]
-        return self.gates[key]
-
-    @staticmethod
-    def _step_shares(wall: float, proposals, verify) -> dict[int, float]:
-        """Each row's share of a step's measured wall time (keyed by its proposal's id): its own drafting, and the
-        rest in proportion to the table's price of its part of the forward (at one row: the whole step)."""
-        priced = [verify(len(p.tree.draft)) for p in proposals]
-        drafting = sum(p.seconds for p in proposals)
-        rest = max(wall - drafting, 0.0)
-        return {id(p): p.seconds + rest * price / sum(priced) for p, price in zip(proposals, priced)}
 
     def _verify_share(self, rows: int):
         """n -> one row's share of a step of `rows` rows in which that row verifies n draft tokens: the undrafted

@@ -35,15 +35,22 @@ losing head drafting for good; so where steps are measured, an open gate takes o
 drafted ones. A recheck whose reading agrees that drafting pays doubles the wait (up to MAX_BACKOFF); one that
 does not keeps it at RECHECK_FIRST until the estimate has followed the readings.
 
+A batch keeps its gates in `StepGates`: one per request and kind of step (Proposer.situation), each kind with its
+pool; per step it names the rows that take the cheap step and hands each gate its row's verdict and share of the
+step's wall time.
+
 Both kinds of step verify with the same verifier, so the gate changes speed only, never the output.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from specserve.engine.sequence import Sequence, reproducible
 from specserve.smoothing import smoothed
+from specserve.speculative.base import Proposal
 
 REOPEN_MARGIN = 1.1  # a closed gate reopens only where the full draft's rate beats the cheap step's by this
 MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
@@ -190,3 +197,63 @@ class DraftGate:
         cheap, full = self.cheap.cost(verify_seconds), self.full.cost(verify_seconds)
         extra = PROBE_STEPS * max(full - cheap, 0.0)
         return max(MAX_BACKOFF, math.ceil(extra / (PROBE_SHARE * cheap)))
+
+
+@dataclass
+class Verdict:
+    """What a row's verified step did: `drafted` draft tokens of which `accepted`, from `proposal`."""
+
+    seq: Sequence
+    drafted: int
+    accepted: int
+    proposal: Proposal
+
+
+class StepGates:
+    """A batch's draft gates: one per request and kind of step (Proposer.situation), each started from the pool of
+    its kind of step; which rows take the cheap step, and what each verified step teaches their gates."""
+
+    def __init__(self):
+        self.gates: dict[tuple[Sequence, Hashable], DraftGate] = {}
+        self.step_gates: dict[Sequence, DraftGate] = {}  # the gate each request's current step went through
+        self.pools: dict[Hashable, GatePool] = {}  # per kind of step
+
+    def forget(self) -> None:
+        """Start the pools over (between runs of a benchmark); running requests keep their gates."""
+        self.pools = {}
+
+    def leave(self, seq: Sequence) -> None:
+        self.gates = {key: gate for key, gate in self.gates.items() if key[0] is not seq}
+        self.step_gates.pop(seq, None)
+
+    def gate(self, seq: Sequence, draft_len: int) -> DraftGate:
+        """The request's gate for the kind of step it is at, now its step's gate."""
+        situation = seq.proposer.situation(seq.context, seq.draft_room(draft_len))
+        key = (seq, situation)
+        if key not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
+            pool = GatePool() if reproducible(seq) else self.pools.setdefault(situation, GatePool())
+            self.gates[key] = DraftGate(pool, times_catch_up=situation is not None)
+        self.step_gates[seq] = self.gates[key]
+        return self.gates[key]
+
+    def cheap_rows(self, rows: list[Sequence], draft_len: int, verify) -> frozenset:
+        """The rows whose gates take the cheap step this step (`verify`: a row's share of the step's price)."""
+        return frozenset(seq for seq in rows if not self.gate(seq, draft_len).decide(verify))
+
+    def observe(self, verdicts: list[Verdict], wall: float, verify) -> None:
+        """A step's verdicts and its measured wall time; a seeded request's gate learns from the table alone, so
+        that its choices (and the random numbers its verification draws) do not depend on the machine's speed."""
+        shares = self._shares(wall, [v.proposal for v in verdicts], verify)
+        for v in verdicts:
+            if v.seq in self.step_gates:
+                self.step_gates[v.seq].observe(not v.proposal.cheap, 1 + v.accepted, v.drafted, v.proposal.seconds,
+                                               verify, None if reproducible(v.seq) else shares.get(id(v.proposal)))
+
+    @staticmethod
+    def _shares(wall: float, proposals, verify) -> dict[int, float]:
+        """Each row's share of a step's measured wall time (keyed by its proposal's id): its own drafting, and the
+        rest in proportion to the table's price of its part of the forward (at one row: the whole step)."""
+        priced = [verify(len(p.tree.draft)) for p in proposals]
+        drafting = sum(p.seconds for p in proposals)
+        rest = max(wall - drafting, 0.0)
+        return {id(p): p.seconds + rest * price / sum(priced) for p, price in zip(proposals, priced)}

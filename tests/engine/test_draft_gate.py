@@ -179,7 +179,7 @@ def test_each_kind_of_step_has_its_own_gate():
     head has something to draft."""
     from types import SimpleNamespace
 
-    from specserve.engine.batch import BatchEngine
+    from specserve.engine.draft_gate import StepGates
 
     class Proposer:
         def __init__(self):
@@ -194,14 +194,14 @@ def test_each_kind_of_step_has_its_own_gate():
         def draft_room(self, max_len):
             return max_len
 
-    batch = SimpleNamespace(gates={}, step_gates={}, gate_pools={})
+    gates = StepGates()
     seq = Request()
-    with_chain = BatchEngine._gate(batch, seq, 4)
+    with_chain = gates.gate(seq, 4)
     run(with_chain, 100, accepted=0)  # the merged tree never beats the chain: closed
     seq.proposer.chain = False
-    without = BatchEngine._gate(batch, seq, 4)
-    assert without is not with_chain and batch.step_gates[seq] is without and without.times_catch_up
+    without = gates.gate(seq, 4)
+    assert without is not with_chain and gates.step_gates[seq] is without and without.times_catch_up
     assert run(without, 20, accepted=3) == [True] * 20  # the head pays where there is no chain
     seq.proposer.chain = True
-    assert BatchEngine._gate(batch, seq, 4) is with_chain and not with_chain.decide(verify)
-    assert set(batch.gate_pools) == {True, False}
+    assert gates.gate(seq, 4) is with_chain and not with_chain.decide(verify)
+    assert set(gates.pools) == {True, False}
