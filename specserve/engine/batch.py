@@ -4,9 +4,9 @@ Each request owns a row of one KV cache. A new request's prefill runs alone (as 
 decoding request, each with its own draft and cache length, goes through one batched verify forward. The
 row-invariant kernels make a request's tokens independent of its batch mates, so batching stays lossless.
 
-The draft length is chosen per step (draft_length.py: the most expected tokens per second from the target's
-measured cost per forward size and each request's acceptance); a tree method's drafting is gated per request
-(draft_gate.py).
+What each step drafts is its policy's plan (step_policy.py: the draft length from the target's measured cost per
+forward size and each request's acceptance, and a tree method's draft gates), and the verified step goes back to
+the policy.
 
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
@@ -23,10 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from specserve.engine.draft_gate import StepGates, Verdict
-from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.output import StreamEvent
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence
+from specserve.engine.step_policy import StepPolicy
 from specserve.models.kv_cache import KVCache
 from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.speculative.sampling import SamplingParams
@@ -57,20 +56,15 @@ class BatchEngine:
         self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
         self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
         # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
-        self.costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
+        costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
-        self.draft_length = DraftLengthChoice(engine, self.costs)
+        self.policy = StepPolicy(engine, costs)
         self.stats = BatchStats()
-        # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
-        # its drafting time included, is chosen per step below
-        self.gates = StepGates() if self.costs is not None and engine.method.drafts_trees else None
 
     def forget_acceptance(self) -> None:
         """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
         keep their own estimates."""
-        self.draft_length.forget()
-        if self.gates is not None:
-            self.gates.forget()
+        self.policy.forget()
 
     @property
     def active(self) -> int:
@@ -143,38 +137,25 @@ class BatchEngine:
     def _add_row(self, seq: Sequence) -> int:
         """Give a request the next row of the batch (the cache grows to hold it); returns the row."""
         self.rows.append(seq)
-        self.draft_length.join(seq)
+        self.policy.join(seq)
         self._fit_cache()
         return len(self.rows) - 1
 
     def _decode(self) -> list[tuple[Sequence, StreamEvent | Exception]]:
         started = time.perf_counter()
-        draft_len = self.draft_length.choose(self.rows)
-        verify = self._verify_share(len(self.rows))
-        cheap = self.gates.cheap_rows(self.rows, draft_len, verify) if self.gates is not None else frozenset()
-        failed = self.engine.draft(self.rows, draft_len, cheap)  # a failed proposer ends its request alone
+        plan = self.policy.plan(self.rows)
+        failed = self.engine.draft(self.rows, plan.draft_len, plan.cheap)  # a failed proposer ends its request alone
         for seq, _ in failed:
             self._remove(seq)
         if not self.rows:
             return failed
         seqs = list(self.rows)
         self._fit_cache()
-        if self.draft_length.learns_from_shadows:
-            events = self._forward(seqs)
-            self.draft_length.score_shadows(seqs)
-        else:
-            before = [(seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
-                      for seq in seqs]
-            events = self._forward(seqs)
-            verdicts = [Verdict(seq, seq.metrics.total_draft_tokens - drafted,
-                                seq.metrics.total_accepted_draft_tokens - accepted, proposal)
-                        for seq, (drafted, accepted, proposal) in zip(seqs, before)]
-            for v in verdicts:
-                self.draft_length.record(v.seq, v.drafted, v.accepted, v.proposal)
-            if self.gates is not None:
-                self.gates.observe(verdicts, time.perf_counter() - started, verify)
+        before = self.policy.before(seqs)
+        events = self._forward(seqs)
+        self.policy.observe(before, time.perf_counter() - started, plan)
         self.stats.steps += 1
-        self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), draft_len
+        self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), plan.draft_len
         return failed + self._collect(seqs, events)
 
     def _forward(self, seqs: list[Sequence]) -> list[StreamEvent | Exception | None]:
@@ -216,9 +197,7 @@ class BatchEngine:
             self.cache.move_row(last, row)
             self.rows[row] = self.rows[last]
         self.rows.pop()
-        self.draft_length.leave(seq)
-        if self.gates is not None:
-            self.gates.leave(seq)
+        self.policy.leave(seq)
         self.cache.lengths[last] = 0
         self._fit_cache()
 
@@ -226,11 +205,3 @@ class BatchEngine:
         """Size the cache to the rows' committed, pending and draft tokens (slot == position)."""
         slots = max((len(seq.tokens) + len(seq.pending) + len(seq.proposal.tokens) for seq in self.rows), default=0)
         self.cache.fit(len(self.rows), slots)
-
-    def _verify_share(self, rows: int):
-        """n -> one row's share of a step of `rows` rows in which that row verifies n draft tokens: the undrafted
-        step's cost per row plus what the n tokens add to the forward."""
-        if self.costs is None:
-            return None
-        base = self.costs(rows, rows)
-        return lambda n: base / rows + self.costs(rows + n, rows + n) - base

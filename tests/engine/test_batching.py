@@ -68,11 +68,11 @@ def test_cancel_frees_the_row(loaded):
 def test_draft_length_shrinks_when_verification_gets_expensive(loaded):
     target = loaded("llama")
     batch = BatchEngine(Engine(target, NGramMethod(1, 3), 4), max_batch_size=4)
-    batch.costs.seconds = [1.0 * s for s in batch.costs.sizes]  # cost proportional to tokens: drafting never pays
+    batch.policy.costs.seconds = [1.0 * s for s in batch.policy.costs.sizes]  # cost proportional to tokens: drafting never pays
     seqs = [batch.add(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:3]]
-    assert batch.draft_length.choose(seqs) == 0
-    batch.costs.seconds = [1.0 for _ in batch.costs.sizes]  # flat cost: draft as much as allowed
-    assert batch.draft_length.choose(seqs) == 4
+    assert batch.policy.draft_length.choose(seqs) == 0
+    batch.policy.costs.seconds = [1.0 for _ in batch.policy.costs.sizes]  # flat cost: draft as much as allowed
+    assert batch.policy.draft_length.choose(seqs) == 4
 
 
 def test_requests_with_nothing_to_draft_do_not_make_the_batch_draft(loaded):
@@ -80,15 +80,15 @@ def test_requests_with_nothing_to_draft_do_not_make_the_batch_draft(loaded):
     request has one does not pad its rows for drafts that will not come, even when verifying is free."""
     batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
     seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
-    while not all(seq in batch.draft_length.shadows for seq in seqs):  # prefilled and decoded once: shadows scored
+    while not all(seq in batch.policy.draft_length.shadows for seq in seqs):  # prefilled and decoded once: shadows scored
         batch.step()
-    batch.costs.seconds = [1.0 for _ in batch.costs.sizes]
+    batch.policy.costs.seconds = [1.0 for _ in batch.policy.costs.sizes]
     for seq in seqs:
-        batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]))]
-    assert batch.draft_length.choose(seqs) == 4
+        batch.policy.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), Chain(seq.pending[0], [1, 2, 3, 4]))]
+    assert batch.policy.draft_length.choose(seqs) == 4
     for seq in seqs:
-        batch.draft_length.shadows[seq] = []  # the proposer found nothing where the requests stand
-    assert batch.draft_length.choose(seqs) == 0
+        batch.policy.draft_length.shadows[seq] = []  # the proposer found nothing where the requests stand
+    assert batch.policy.draft_length.choose(seqs) == 0
 
 
 def test_expected_tokens():
@@ -144,7 +144,7 @@ def test_adaptive_draft_len_recovers_after_rejected_drafts(loaded):
         batch = BatchEngine(Engine(target, ScriptedMethod(reference, 12, target.model.spec.vocab_size), 4), max_batch_size=4,
                             adaptive_draft=adaptive)
         if adaptive:
-            batch.costs.seconds = list(CPU_LIKE_COSTS)
+            batch.policy.costs.seconds = list(CPU_LIKE_COSTS)
         runs[adaptive] = run_batched(batch, [(PROMPTS[0], params)])[0]
     for result in runs.values():
         assert result.token_ids == plain.token_ids
@@ -173,7 +173,7 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free,
     method = ScriptedMethod(target.tokenizer(PROMPTS[0]).input_ids + plain.token_ids, 0, target.model.spec.vocab_size)
     method.drafts_for_free = free
     batch = BatchEngine(Engine(target, method, 4), max_batch_size=4)
-    batch.costs.seconds = list(COSTS_AT_THE_EDGE)
+    batch.policy.costs.seconds = list(COSTS_AT_THE_EDGE)
     result = run_batched(batch, [(PROMPTS[0], params)])[0]
     assert result.token_ids == plain.token_ids
     if free:
@@ -235,18 +235,18 @@ def test_draft_length_follows_the_evidence_of_the_draft_at_hand(loaded):
     where it has been wrong."""
     batch = BatchEngine(Engine(loaded("llama"), NGramMethod(1, 3), 4), max_batch_size=4)
     seqs = [batch.add(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS[:2]]
-    while not all(seq in batch.draft_length.shadows for seq in seqs):
+    while not all(seq in batch.policy.draft_length.shadows for seq in seqs):
         batch.step()
-    batch.costs.seconds = list(CPU_LIKE_COSTS)
+    batch.policy.costs.seconds = list(CPU_LIKE_COSTS)
     for seq in seqs:
         for _ in range(10):
-            batch.draft_length.acceptance[seq].update(4, 4, evidence="sure")
-            batch.draft_length.acceptance[seq].update(4, 0, evidence="unsure")
+            batch.policy.draft_length.acceptance[seq].update(4, 4, evidence="sure")
+            batch.policy.draft_length.acceptance[seq].update(4, 0, evidence="unsure")
     for evidence, want in (("sure", 4), ("unsure", 0)):
         for seq in seqs:
             chain = Chain(seq.pending[0], [1, 2, 3, 4])
-            batch.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), chain, evidence)]
-        assert batch.draft_length.choose(seqs) == want, evidence
+            batch.policy.draft_length.shadows[seq] = [ShadowDraft(len(seq.context), chain, evidence)]
+        assert batch.policy.draft_length.choose(seqs) == want, evidence
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_target"])
@@ -265,9 +265,9 @@ def test_offline_engine_with_adaptive_draft_length_equals_plain(loaded, method):
     assert adaptive._solo_batch.active == 1
     stream.close()
     assert adaptive._solo_batch.active == 0 and not adaptive._solo_batch.has_work()
-    assert adaptive._solo_batch.draft_length.pooled.by_evidence  # learnt from the requests so far
+    assert adaptive._solo_batch.policy.draft_length.pooled.by_evidence  # learnt from the requests so far
     adaptive.forget_requests()
-    assert not adaptive._solo_batch.draft_length.pooled.by_evidence
+    assert not adaptive._solo_batch.policy.draft_length.pooled.by_evidence
 
 
 # ---- the KV cache grows with use ------------------------------------------------------------------------------------

@@ -313,9 +313,9 @@ def test_batch_draft_length_honours_the_caps(loaded):
     batch = BatchEngine(engine, max_batch_size=4)
     capped = [batch.engine.new_sequence("Once upon a time", SamplingParams(num_speculative_tokens=cap))
               for cap in (1, 2)]
-    assert batch.draft_length.choose(capped) <= 2
+    assert batch.policy.draft_length.choose(capped) <= 2
     uncapped = batch.engine.new_sequence("Once upon a time", SamplingParams())
-    assert batch.draft_length.choose(capped[:1]) <= 1
+    assert batch.policy.draft_length.choose(capped[:1]) <= 1
     assert all(seq.draft_room(4) == 0 for seq in capped + [uncapped])  # not prefilled: no draft yet
     assert capped[0].draft_cap == 1 and uncapped.draft_cap == float("inf")
 

@@ -1,0 +1,82 @@
+"""What a batch's decoding step drafts, and what the step teaches, behind the two calls the batch engine makes a
+step: `plan(rows)` and, after the verify forward, `observe`.
+
+A plan holds the draft length the rows share (DraftLengthChoice: the most expected tokens per second from the
+target's measured cost per forward size and each request's acceptance), the price of a row's share of the step
+(from the same table), and for a tree method the rows whose draft gates take the cheap step (StepGates).
+`observe` hands each row's verdict back to both: its drafted and accepted tokens, and for the gates the step's
+wall time. Without a cost table (adaptive drafting off) every step drafts the method's full length, ungated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specserve.engine.draft_gate import StepGates, Verdict
+from specserve.engine.draft_length import DraftLengthChoice
+from specserve.engine.sequence import Sequence
+from specserve.models.step_costs import StepCosts
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    draft_len: int
+    verify: Callable[[int], float] | None  # n -> a row's share of the step's price when it verifies n draft tokens
+    cheap: frozenset  # the rows that take the cheap step (their gates' decision)
+
+
+class StepPolicy:
+    def __init__(self, engine, costs: StepCosts | None):
+        self.costs = costs
+        self.draft_length = DraftLengthChoice(engine, costs)
+        # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
+        # its drafting time included, is the draft length's choice
+        self.gates = StepGates() if costs is not None and engine.method.drafts_trees else None
+
+    def join(self, seq: Sequence) -> None:
+        self.draft_length.join(seq)
+
+    def leave(self, seq: Sequence) -> None:
+        self.draft_length.leave(seq)
+        if self.gates is not None:
+            self.gates.leave(seq)
+
+    def forget(self) -> None:
+        """Start the pools over (between runs of a benchmark); running requests keep their own estimates."""
+        self.draft_length.forget()
+        if self.gates is not None:
+            self.gates.forget()
+
+    def plan(self, rows: list[Sequence]) -> StepPlan:
+        draft_len = self.draft_length.choose(rows)
+        verify = self._verify_share(len(rows))
+        cheap = self.gates.cheap_rows(rows, draft_len, verify) if self.gates is not None else frozenset()
+        return StepPlan(draft_len, verify, cheap)
+
+    @staticmethod
+    def before(seqs: list[Sequence]) -> list[tuple]:
+        """The rows' draft counts and proposals as the verify forward starts (observe's `before`)."""
+        return [(seq, seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
+                for seq in seqs]
+
+    def observe(self, before: list[tuple], wall: float, plan: StepPlan) -> None:
+        """The verified step of the rows in `before`, which took `wall` seconds from its plan on."""
+        if self.draft_length.learns_from_shadows:
+            self.draft_length.score_shadows([seq for seq, *_ in before])
+            return
+        verdicts = [Verdict(seq, seq.metrics.total_draft_tokens - drafted,
+                            seq.metrics.total_accepted_draft_tokens - accepted, proposal)
+                    for seq, drafted, accepted, proposal in before]
+        for v in verdicts:
+            self.draft_length.record(v.seq, v.drafted, v.accepted, v.proposal)
+        if self.gates is not None:
+            self.gates.observe(verdicts, wall, plan.verify)
+
+    def _verify_share(self, rows: int):
+        """n -> one row's share of a step of `rows` rows in which that row verifies n draft tokens: the undrafted
+        step's cost per row plus what the n tokens add to the forward."""
+        if self.costs is None:
+            return None
+        base = self.costs(rows, rows)
+        return lambda n: base / rows + self.costs(rows + n, rows + n) - base
