@@ -11,9 +11,8 @@ the policy.
 The KV cache holds only the running rows, sized to their longest (`KVCache.fit`): an idle server holds none.
 
 A prompt longer than one prefill chunk (sequence.PREFILL_CHUNK) is prefilled chunk by chunk in a cache of its own,
-between the decoding steps of the running requests, and joins the batch once its first token is out. While others
-decode, chunks get at most PREFILL_SHARE of the time, so a long prompt slows them by at most 1 / (1 - share); a
-cancelled request stops between chunks. A failure ends only the request it belongs to: a per-row failure comes back
+between the decoding steps of the running requests, and joins the batch once its first token is out; while others
+decode, chunks get a bounded share of the time (chunked_prefill.py), and a cancelled request stops between chunks. A failure ends only the request it belongs to: a per-row failure comes back
 as that row's exception, and a failed batched forward is rerun row by row to find whose it was.
 """
 
@@ -24,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specserve.engine.output import StreamEvent
+from specserve.engine.chunked_prefill import ChunkedPrefills
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.step_policy import StepPolicy
 from specserve.models.kv_cache import KVCache
@@ -43,8 +43,6 @@ class BatchEngine:
     0..active-1 of the cache hold the running requests, densely (a leaving request's row is refilled with the last
     one), so a step's forward never pads with idle rows; the cache grows and shrinks with them."""
 
-    PREFILL_SHARE = 0.25  # of the time, at most, for long prompts' chunks while other requests decode
-
     def __init__(self, engine, max_batch_size: int, capacity: int | None = None,
                  adaptive_draft: bool = True, costs: StepCosts | None = None):
         self.engine = engine
@@ -53,8 +51,7 @@ class BatchEngine:
         self.cache = KVCache.growable(engine.model, self.max_batch_size, self.capacity)
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: dict[Sequence, KVCache] = {}  # long prompts being prefilled, each in its own cache
-        self.prefill_credit = 0.0  # seconds of chunks the decoding requests' time has paid for
+        self.prefilling = ChunkedPrefills(engine)  # long prompts, between the decoding steps
         # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
         costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
             if adaptive_draft and engine.max_draft_len else None
@@ -81,7 +78,7 @@ class BatchEngine:
         """Drop a request, waiting, prefilling or running; its row (and memory) is free for the next request."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self.prefilling.pop(seq, None)
+        self.prefilling.cancel(seq)
         if seq in self.rows:
             self._remove(seq)
 
@@ -96,37 +93,24 @@ class BatchEngine:
             seq = self.waiting.popleft()
             if len(seq.context) <= PREFILL_CHUNK:
                 return self._prefill(seq)
-            self.prefilling[seq] = KVCache.for_model(self.engine.model, 1, self.engine.capacity_for(
-                seq.context, seq.params))
-        if self.prefilling and (not self.rows or self.prefill_credit >= 0):
-            return self._prefill_chunk(min(self.prefilling, key=self._prefill_left))
+            self.prefilling.start(seq)
+        chunked = self.prefilling.due(decoding=bool(self.rows))
+        if chunked is not None:
+            return self._prefill_chunk(chunked)
         if not self.rows:
             return []
         start = time.perf_counter()
         events = self._decode()
-        self.prefill_credit += (time.perf_counter() - start) * self.PREFILL_SHARE / (1 - self.PREFILL_SHARE)
+        self.prefilling.paid(time.perf_counter() - start)
         return events
-
-    def _prefill_left(self, seq: Sequence) -> int:
-        return self.engine.prefill_remaining(self.prefilling[seq], seq)
 
     def _prefill_chunk(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
-        """The next piece of a long prompt; its last piece samples the first token and moves it into the batch."""
-        cache, start = self.prefilling[seq], time.perf_counter()
-        try:
-            if self.engine.prefill_chunk(cache, seq):
-                events = []
-            else:
-                del self.prefilling[seq]
-                events = self._join(seq, cache, self.engine.forward(cache, [seq])[0])
-        except Exception as exc:  # noqa: BLE001 - this request's failure alone
-            self.prefilling.pop(seq, None)
-            events = [(seq, exc)]
-        if self.rows:
-            self.prefill_credit -= time.perf_counter() - start
-        else:  # nobody waited for this chunk: it owes nothing
-            self.prefill_credit = 0.0
-        return events
+        """The next piece of a long prompt; after its last piece (which samples the first token) it joins."""
+        done = self.prefilling.run(seq, decoding=bool(self.rows))
+        if done is None:
+            return []
+        cache, event = done
+        return [(seq, event)] if cache is None else self._join(seq, cache, event)
 
     def _join(self, seq: Sequence, cache: KVCache, event) -> list[tuple[Sequence, StreamEvent | Exception]]:
         """A prefilled request (its cache: row 0 of `cache`) becomes a row of the batch, unless it already ended."""

@@ -62,6 +62,6 @@ def test_a_cancelled_long_prompt_stops_between_chunks(loaded):
     batch = BatchEngine(engine, max_batch_size=2)
     seq = batch.add(long_prompt(400), SamplingParams(max_tokens=4))
     batch.step()
-    assert seq in batch.prefilling and batch.prefilling[seq].lengths[0] == PREFILL_CHUNK
+    assert seq in batch.prefilling and batch.prefilling.caches[seq].lengths[0] == PREFILL_CHUNK
     batch.cancel(seq)
     assert not batch.has_work() and batch.step() == []
