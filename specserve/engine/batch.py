@@ -27,7 +27,7 @@ from specserve.engine.chunked_prefill import ChunkedPrefills
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.step_policy import StepPolicy
 from specserve.models.kv_cache import KVCache
-from specserve.models.step_costs import StepCosts, measured_step_costs
+from specserve.models.step_costs import StepCosts
 from specserve.speculative.sampling import SamplingParams
 
 
@@ -52,10 +52,7 @@ class BatchEngine:
         self.rows: list[Sequence] = []  # row i of the cache holds rows[i]
         self.waiting: deque[Sequence] = deque()
         self.prefilling = ChunkedPrefills(engine)  # long prompts, between the decoding steps
-        # `costs`: a table measured before (StepCosts over up to max_batch_size rows)
-        costs = (costs or measured_step_costs(engine.target, self.max_batch_size, engine.ragged_logits)) \
-            if adaptive_draft and engine.max_draft_len else None
-        self.policy = StepPolicy(engine, costs)
+        self.policy = StepPolicy.for_batch(engine, self.max_batch_size, adaptive_draft, costs)
         self.stats = BatchStats()
 
     def forget_acceptance(self) -> None:

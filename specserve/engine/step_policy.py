@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from specserve.engine.draft_gate import StepGates, Verdict
 from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.sequence import Sequence
-from specserve.models.step_costs import StepCosts
+from specserve.models.step_costs import StepCosts, measured_step_costs
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,14 @@ class StepPolicy:
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is the draft length's choice
         self.gates = StepGates() if costs is not None and engine.method.drafts_trees else None
+
+    @classmethod
+    def for_batch(cls, engine, max_rows: int, adaptive: bool, costs: StepCosts | None) -> StepPolicy:
+        """The policy of a batch of up to `max_rows` rows, priced by `costs` (a table measured before) or by one
+        measured now; with adaptive drafting off, or nothing to draft, none."""
+        if not adaptive or not engine.max_draft_len:
+            return cls(engine, None)
+        return cls(engine, costs or measured_step_costs(engine.target, max_rows, engine.ragged_logits))
 
     def join(self, seq: Sequence) -> None:
         self.draft_length.join(seq)
