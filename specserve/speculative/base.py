@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar, Protocol
 
 import torch
@@ -91,13 +92,24 @@ class Drafting(Protocol):
         """max_len, cut to what the request may still emit."""
 
 
+class Drafting(Enum):
+    """How a method drafts, which decides how a batch's step policy prices and learns its drafts
+    (engine/step_policy.py)."""
+
+    MODEL_CHAIN = "model chain"  # a chain from a model (a draft model): its drafting time is priced per drafted
+    # token, and it is probed where drafting stopped paying
+    LOOKUP = "lookup"  # from the tokens alone (n-gram, suffix): free to draft, so its acceptance is also learnt
+    # from drafts not verified; it drafts on after a grammar's forced tokens
+    HEAD_TREE = "head tree"  # trees from a head on the target's features (EAGLE, Medusa): per request, a draft
+    # gate decides whether they pay
+
+
 class SpecMethod(ABC):
     name: str
     needs_hidden_states = False  # whether proposers want observe_hidden() after every target forward
     hidden_layers: tuple[int, ...] = (-1,)  # the target layers whose outputs form a feature (-1: final normed)
+    drafting = Drafting.MODEL_CHAIN
     budgets_itself = False  # whether proposers size their drafts from measured costs (the batch then does not)
-    drafts_for_free = False  # drafting runs no model: the batch may draft to learn acceptance without verifying
-    drafts_trees = False  # drafts trees its own way (EAGLE, Medusa): the batch's draft gate decides whether it pays
     lossless = True  # False: sampled outputs do not follow the target's distribution exactly
 
     def draft_slots(self, max_draft_len: int) -> int:
