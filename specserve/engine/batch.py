@@ -12,8 +12,9 @@ The KV cache holds only the running rows, sized to their longest (`KVCache.fit`)
 
 A prompt longer than one prefill chunk (sequence.PREFILL_CHUNK) is prefilled chunk by chunk in a cache of its own,
 between the decoding steps of the running requests, and joins the batch once its first token is out; while others
-decode, chunks get a bounded share of the time (chunked_prefill.py), and a cancelled request stops between chunks. A failure ends only the request it belongs to: a per-row failure comes back
-as that row's exception, and a failed batched forward is rerun row by row to find whose it was.
+decode, chunks get a bounded share of the time (chunked_prefill.py), and a cancelled request stops between chunks. A
+failure ends only the request it belongs to: a per-row failure comes back as that row's exception, and a failed
+batched forward is rerun row by row to find whose it was.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from specserve.engine.output import StreamEvent
 from specserve.engine.chunked_prefill import ChunkedPrefills
+from specserve.engine.output import StreamEvent
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence
 from specserve.engine.step_policy import StepPolicy
 from specserve.models.kv_cache import KVCache
