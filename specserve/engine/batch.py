@@ -104,11 +104,15 @@ class BatchEngine:
 
     def _prefill_chunk(self, seq: Sequence) -> list[tuple[Sequence, StreamEvent | Exception]]:
         """The next piece of a long prompt; after its last piece (which samples the first token) it joins."""
-        done = self.prefilling.run(seq, decoding=bool(self.rows))
+        start = time.perf_counter()
+        done = self.prefilling.run(seq)
         if done is None:
-            return []
-        cache, event = done
-        return [(seq, event)] if cache is None else self._join(seq, cache, event)
+            events = []
+        else:
+            cache, event = done
+            events = [(seq, event)] if cache is None else self._join(seq, cache, event)
+        self.prefilling.spent(time.perf_counter() - start, decoding=bool(self.rows))
+        return events
 
     def _join(self, seq: Sequence, cache: KVCache, event) -> list[tuple[Sequence, StreamEvent | Exception]]:
         """A prefilled request (its cache: row 0 of `cache`) becomes a row of the batch, unless it already ended."""

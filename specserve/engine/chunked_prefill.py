@@ -6,8 +6,6 @@ run back to back and owe nothing. The shortest remaining prompt goes first."""
 
 from __future__ import annotations
 
-import time
-
 from specserve.engine.sequence import Sequence
 from specserve.models.kv_cache import KVCache
 
@@ -38,10 +36,10 @@ class ChunkedPrefills:
             return None
         return min(self.caches, key=lambda seq: self.engine.prefill_remaining(self.caches[seq], seq))
 
-    def run(self, seq: Sequence, decoding: bool) -> tuple[KVCache | None, object] | None:
+    def run(self, seq: Sequence) -> tuple[KVCache | None, object] | None:
         """The prompt's next chunk: None while more are left; after its last, (its cache, the event of the forward
         that sampled its first token); (None, the exception) where it failed, which ends this request alone."""
-        cache, start = self.caches[seq], time.perf_counter()
+        cache = self.caches[seq]
         try:
             if self.engine.prefill_chunk(cache, seq):
                 done = None
@@ -51,8 +49,11 @@ class ChunkedPrefills:
         except Exception as exc:  # noqa: BLE001 - this request's failure alone
             self.caches.pop(seq, None)
             done = None, exc
-        self.credit = self.credit - (time.perf_counter() - start) if decoding else 0.0
         return done
+
+    def spent(self, seconds: float, decoding: bool) -> None:
+        """A chunk took `seconds`, and then others were decoding or not (nobody waited for it: it owes nothing)."""
+        self.credit = self.credit - seconds if decoding else 0.0
 
     def paid(self, decoding_seconds: float) -> None:
         """A decoding step took `decoding_seconds`: what it earns the chunks."""
