@@ -19,7 +19,7 @@ from specserve.engine.sequence import Sequence, reproducible
 from specserve.models.step_costs import StepCosts
 from specserve.smoothing import smoothed
 from specserve.speculative.acceptance import AcceptanceByEvidence
-from specserve.speculative.base import Drafting
+from specserve.speculative.base import DraftKind
 from specserve.speculative.tree import DraftTree
 
 
@@ -96,7 +96,7 @@ class DraftLengthChoice:
     def drafts_with_a_model(self) -> bool:
         """Whether the method drafts chains with a model whose time per token the choice prices (a draft model;
         not n-gram lookup, which is free, nor the tree methods, which their draft gate prices)."""
-        return self.engine.method.drafting is Drafting.MODEL_CHAIN
+        return self.engine.method.draft_kind is DraftKind.MODEL_CHAIN
 
     @property
     def learns_from_shadows(self) -> bool:
@@ -105,7 +105,7 @@ class DraftLengthChoice:
         from verified drafts alone, a batch that stopped drafting learns nothing more and stays at its prior (at
         8 requests on a CPU the prior's choice is a coin toss between 0 and 2, and a batch whose drafts would be
         accepted 9 times in 10 decoded without them), and one drafting a token learns nothing about the next."""
-        return self.costs is not None and self.engine.method.drafting is Drafting.LOOKUP
+        return self.costs is not None and self.engine.method.draft_kind is DraftKind.LOOKUP
 
     def score_shadows(self, seqs: list[Sequence]) -> None:
         """Score the drafts the step's tokens decide, and draft from where each request now stands: one draft

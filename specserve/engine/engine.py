@@ -26,7 +26,7 @@ from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
-from specserve.speculative.base import Drafting, Proposal, SpecMethod
+from specserve.speculative.base import DraftKind, Proposal, SpecMethod
 from specserve.speculative.grammar import AfterForced, GrammarVocabulary, GuideError, TokenGrammar
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain, after_chain
@@ -253,7 +253,7 @@ class Engine:
         """`seq` as its method drafts for it: a guided request whose grammar forces the next tokens (a JSON
         schema's keys and punctuation) drafts those first, and the method drafts on after them. Only for methods
         that draft from tokens alone (n-gram, suffix); a model-drafting method needs the target's features."""
-        if seq.grammar is None or self.method.drafting is not Drafting.LOOKUP:
+        if seq.grammar is None or self.method.draft_kind is not DraftKind.LOOKUP:
             return seq
         forced = seq.grammar.forced(seq.draft_room(max_len))
         return AfterForced(seq, forced) if forced else seq

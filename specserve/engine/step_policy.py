@@ -17,7 +17,7 @@ from specserve.engine.draft_gate import StepGates, Verdict
 from specserve.engine.draft_length import DraftLengthChoice
 from specserve.engine.sequence import Sequence
 from specserve.models.step_costs import StepCosts, measured_step_costs
-from specserve.speculative.base import Drafting
+from specserve.speculative.base import DraftKind
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class StepPolicy:
         self.draft_length = DraftLengthChoice(engine, costs)
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is the draft length's choice
-        self.gates = StepGates() if costs is not None and engine.method.drafting is Drafting.HEAD_TREE else None
+        self.gates = StepGates() if costs is not None and engine.method.draft_kind is DraftKind.HEAD_TREE else None
 
     @classmethod
     def for_batch(cls, engine, max_rows: int, adaptive: bool, costs: StepCosts | None) -> StepPolicy:

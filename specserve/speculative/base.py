@@ -92,7 +92,7 @@ class Drafting(Protocol):
         """max_len, cut to what the request may still emit."""
 
 
-class Drafting(Enum):
+class DraftKind(Enum):
     """How a method drafts, which decides how a batch's step policy prices and learns its drafts
     (engine/step_policy.py)."""
 
@@ -108,7 +108,7 @@ class SpecMethod(ABC):
     name: str
     needs_hidden_states = False  # whether proposers want observe_hidden() after every target forward
     hidden_layers: tuple[int, ...] = (-1,)  # the target layers whose outputs form a feature (-1: final normed)
-    drafting = Drafting.MODEL_CHAIN
+    draft_kind = DraftKind.MODEL_CHAIN
     budgets_itself = False  # whether proposers size their drafts from measured costs (the batch then does not)
     lossless = True  # False: sampled outputs do not follow the target's distribution exactly
 

@@ -39,7 +39,7 @@ from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import eagle_kernels
 from specserve.speculative.acceptance import AcceptanceByEvidence
-from specserve.speculative.base import Drafting, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
@@ -51,7 +51,7 @@ from specserve.speculative.weights import read_draft_vocab
 
 class EagleMethod(SpecMethod):
     needs_hidden_states = True
-    drafting = Drafting.HEAD_TREE
+    draft_kind = DraftKind.HEAD_TREE
 
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,

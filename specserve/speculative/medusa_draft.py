@@ -21,7 +21,7 @@ from specserve.checks import ConfigError
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import medusa_kernels
-from specserve.speculative.base import Drafting, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle_kernels import DEFAULT_HEAD_QUANTIZATION, read_quantization
 from specserve.speculative.medusa import MedusaHeads, load_medusa
@@ -54,7 +54,7 @@ class MedusaProposer(Proposer):
 class MedusaMethod(SpecMethod):
     name = "medusa"
     needs_hidden_states = True
-    drafting = Drafting.HEAD_TREE
+    draft_kind = DraftKind.HEAD_TREE
 
     def __init__(self, heads: MedusaHeads, choices=DEFAULT_CHOICES, typical: TypicalAcceptance | None = None,
                  verify_seconds=None, head_quantization: str = DEFAULT_HEAD_QUANTIZATION):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from specserve.checks import ConfigError, int_at_least
-from specserve.speculative.base import Drafting, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 
 
 class NGramIndex:
@@ -83,7 +83,7 @@ class NGramProposer(Proposer):
 
 class NGramMethod(SpecMethod):
     name = "ngram"
-    drafting = Drafting.LOOKUP
+    draft_kind = DraftKind.LOOKUP
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3):
         check_lookup_bounds(prompt_lookup_min, prompt_lookup_max, ValueError)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from specserve.checks import ConfigError, int_at_least
-from specserve.speculative.base import Drafting, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.tree import Chain, DraftTree
 
 SCOPES = ("model", "request")
@@ -297,7 +297,7 @@ class SuffixProposer(Proposer):
 
 class SuffixMethod(SpecMethod):
     name = "suffix"
-    drafting = Drafting.LOOKUP
+    draft_kind = DraftKind.LOOKUP
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, cache_bytes: int = 256 * 2**20, cache_scope: str = "model"):

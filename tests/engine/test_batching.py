@@ -10,7 +10,7 @@ from specserve.engine.draft_length import ShadowDraft
 from specserve.engine.engine import Engine
 from specserve.models.step_costs import StepCosts
 from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
-from specserve.speculative.base import Drafting, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod, NGramProposer
 from specserve.speculative.sampling import SamplingParams
@@ -171,7 +171,7 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free,
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = Engine(target).generate(PROMPTS[0], params)
     method = ScriptedMethod(target.tokenizer(PROMPTS[0]).input_ids + plain.token_ids, 0, target.model.spec.vocab_size)
-    method.drafting = Drafting.LOOKUP if free else Drafting.MODEL_CHAIN
+    method.draft_kind = DraftKind.LOOKUP if free else DraftKind.MODEL_CHAIN
     batch = BatchEngine(Engine(target, method, 4), max_batch_size=4)
     batch.policy.costs.seconds = list(COSTS_AT_THE_EDGE)
     result = run_batched(batch, [(PROMPTS[0], params)])[0]

@@ -13,7 +13,7 @@ import torch
 import specserve.speculative.grammar as grammar_module
 import specserve.speculative.verify as verify_module
 from specserve.engine.engine import Engine, RequestError
-from specserve.speculative.base import Drafting, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod, DraftModelProposer
 from specserve.speculative.grammar import GrammarVocabulary, Guide, GuideError
 from specserve.speculative.ngram import NGramMethod
@@ -265,7 +265,7 @@ class NoDraft(SpecMethod):
     """A method that drafts from tokens alone but never proposes anything: every draft is the grammar's forced one."""
 
     name = "no_draft"
-    drafting = Drafting.LOOKUP
+    draft_kind = DraftKind.LOOKUP
 
     def new_proposer(self, params, generator, capacity) -> Proposer:
         class Nothing(Proposer):

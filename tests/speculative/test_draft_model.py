@@ -62,9 +62,9 @@ def test_the_draft_length_choice_prices_a_model_draft_by_its_one_token_forwards(
     catch-up inside `seconds` would make drafting look four times dearer), else seconds / tokens."""
     from specserve.engine.draft_length import DraftLengthChoice
     from specserve.speculative.acceptance import AcceptanceByEvidence
-    from specserve.speculative.base import Drafting, Proposal
+    from specserve.speculative.base import DraftKind, Proposal
 
-    choice = DraftLengthChoice(SimpleNamespace(method=SimpleNamespace(drafting=Drafting.MODEL_CHAIN)), None)
+    choice = DraftLengthChoice(SimpleNamespace(method=SimpleNamespace(draft_kind=DraftKind.MODEL_CHAIN)), None)
     request = object()
     choice.acceptance[request] = AcceptanceByEvidence()
     caught_up = Proposal.chain(1, [5, 6, 7])
@@ -81,14 +81,14 @@ def test_a_model_drafter_that_stopped_drafting_probes_again_ever_more_rarely():
     """Where its estimates say a draft does not pay, a model drafter still drafts one step after 8, then 16, 32 ...
     undrafted steps (it learns nothing otherwise); a drafter that drafts for free never needs to."""
     from specserve.engine.draft_length import DraftLengthChoice
-    from specserve.speculative.base import Drafting
+    from specserve.speculative.base import DraftKind
 
-    def drafted_steps(drafting: Drafting) -> list[int]:
-        method = SimpleNamespace(drafting=drafting, budgets_itself=False)
+    def drafted_steps(drafting: DraftKind) -> list[int]:
+        method = SimpleNamespace(draft_kind=drafting, budgets_itself=False)
         choice = DraftLengthChoice(SimpleNamespace(method=method, max_draft_len=4), lambda rows, tokens: rows)
         choice.draft_seconds_per_token = 10.0  # each drafted token costs ten target forwards: never worth it
         request = type("Request", (), {"draft_cap": 4})()
         return [step for step in range(1, 130) if choice.choose([request])]
 
-    assert drafted_steps(Drafting.MODEL_CHAIN) == [8, 24, 56, 120]
-    assert drafted_steps(Drafting.LOOKUP) == []
+    assert drafted_steps(DraftKind.MODEL_CHAIN) == [8, 24, 56, 120]
+    assert drafted_steps(DraftKind.LOOKUP) == []
