@@ -21,7 +21,6 @@ class EnvironmentSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     SPECSERVE_KERNELS: Literal[cpu_kernels.MODES] = "auto"  # the compiled variant, quantized path included
-    SPECSERVE_LAYER_LOOP: Literal["cpp", "python"] = "cpp"  # python: the reference layer loop
     SPECSERVE_GREEDY_SCREEN: Literal["0", "1"] = "1"  # 0: greedy forwards compute the full logits
     SPECSERVE_CACHE: Optional[str] = None  # the cache directory (default ~/.cache/specserve)
     SPECSERVE_TP_CONNECT_TIMEOUT: Optional[float] = Field(None, gt=0)  # seconds for the ranks to join and load

@@ -11,8 +11,8 @@ from specserve.settings import check_environment
 
 
 def test_unset_and_empty_settings_take_their_defaults():
-    settings = check_environment({"PATH": "/bin", "SPECSERVE_LAYER_LOOP": ""})
-    assert settings.SPECSERVE_KERNELS == "auto" and settings.SPECSERVE_LAYER_LOOP == "cpp"
+    settings = check_environment({"PATH": "/bin", "SPECSERVE_GREEDY_SCREEN": ""})
+    assert settings.SPECSERVE_KERNELS == "auto" and settings.SPECSERVE_GREEDY_SCREEN == "1"
     settings = check_environment({"SPECSERVE_TP_STEP_TIMEOUT": "2.5", "SPECSERVE_KERNELS": "scalar"})
     assert settings.SPECSERVE_TP_STEP_TIMEOUT == 2.5 and settings.SPECSERVE_KERNELS == "scalar"
 
@@ -24,6 +24,7 @@ def test_unset_and_empty_settings_take_their_defaults():
     ({"SPECSERVE_TP_STEP_TIMEOUT": "soon"}, "SPECSERVE_TP_STEP_TIMEOUT"),
     ({"SPECSERVE_KERNEL": "off"}, "unknown environment setting SPECSERVE_KERNEL"),
     ({"SPECSERVE_QUANT_ISA": "avx2"}, "unknown environment setting SPECSERVE_QUANT_ISA"),  # SPECSERVE_KERNELS picks it
+    ({"SPECSERVE_LAYER_LOOP": "python"}, "unknown environment setting SPECSERVE_LAYER_LOOP"),  # one layer loop
 ])
 def test_bad_settings_are_named(environ, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -31,9 +32,9 @@ def test_bad_settings_are_named(environ, needle):
 
 
 def test_a_command_with_a_bad_setting_stops_before_any_work(monkeypatch):
-    monkeypatch.setenv("SPECSERVE_LAYER_LOOP", "rust")
+    monkeypatch.setenv("SPECSERVE_GREEDY_SCREEN", "off")
     result = CliRunner().invoke(app, ["generate", "def f():", "--max-tokens", "1"])
-    assert result.exit_code == 2 and "SPECSERVE_LAYER_LOOP='rust'" in result.output
+    assert result.exit_code == 2 and "SPECSERVE_GREEDY_SCREEN='off'" in result.output
 
 
 def test_an_empty_cache_setting_is_the_default_cache(monkeypatch, tmp_path):

@@ -10,10 +10,9 @@ final one). Each kernel rounds as the PyTorch ops it replaces, so the layer comp
 transformer.py computes on the same kernels for the linears and attention.
 
 What the calls need is gathered once per model (`KernelPlan`): nn.Module attribute lookups and per-call checks
-cost more than the glue kernels themselves. Two loops run the plan: by default cpu_kernels.inc's `LayerStack` runs
-every layer in one C++ call (the Python between a step's ~160 kernel calls is a visible share of a small model's
-step); SPECSERVE_LAYER_LOOP=python runs the same kernels from the Python loop over `KernelLayer`s, the reference
-the tests hold the C++ loop to, bit for bit.
+cost more than the glue kernels themselves. cpu_kernels.inc's `LayerStack` runs every layer in one C++ call (the
+Python between a step's ~160 kernel calls would be a visible share of a small model's step); the tests hold it, bit
+for bit, to a reference that calls the same kernels one by one from Python (tests/models/reference_layer_loop.py).
 
 Under tensor parallelism (specserve/parallel) a layer's o and down projections give this rank's partial sums in
 fp32; the attention's and MLP's `reduce` hook (the group's all-reduce) adds the ranks' partials before the one
@@ -23,19 +22,13 @@ the same hook between its kernels.
 
 from __future__ import annotations
 
-import os
-from typing import Callable
-
 import torch
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.models.quant import FusedQuantLinear, QuantLinear, packed_matmul
+from specserve.models.quant import FusedQuantLinear, QuantLinear
 
-Linear = Callable[[torch.Tensor], torch.Tensor]
 MAX_KERNEL_TOKENS = 64  # the most tokens a row of one kernel forward holds (the kernels' row invariance is tested to it)
-LAYER_LOOP = "SPECSERVE_LAYER_LOOP"  # "python": the reference loop; unset or "cpp": the one-call C++ loop
-LAYER_LOOPS = ("cpp", "python")
 
 
 def linear_weights(layer) -> tuple[tuple | None, torch.Tensor | None, torch.Tensor | None]:
@@ -49,17 +42,9 @@ def linear_weights(layer) -> tuple[tuple | None, torch.Tensor | None, torch.Tens
     return None, weight, bias
 
 
-def row_invariant_linear(layer, out_fp32: bool = False) -> Linear:
-    """x -> layer(x) on a row-invariant kernel: the packed one for a quantized layer, else the bf16 one; fp32
-    results with out_fp32."""
-    args, weight, bias = linear_weights(layer)
-    if args is not None:
-        return lambda x: packed_matmul(x, args, bias, out_fp32)
-    return lambda x: cpu_kernels.small_linear(x, weight, bias, out_fp32)
-
-
 def stack_linear(layer, out_fp32: bool = False):
-    """The same linear as a LayerStack's (see row_invariant_linear)."""
+    """A linear as LayerStack takes it: the packed kernel for a quantized layer, else the bf16 one; fp32 results
+    with out_fp32."""
     args, weight, bias = linear_weights(layer)
     if args is not None:
         return cpu_kernels.packed_linear(args, bias, out_fp32)
@@ -67,7 +52,7 @@ def stack_linear(layer, out_fp32: bool = False):
 
 
 class KernelLayer:
-    """One decoder layer's row-invariant forward, with its linears, norm weights and settings looked up once."""
+    """What one decoder layer's row-invariant forward needs, looked up once: its linears, norm weights and settings."""
 
     def __init__(self, layer, next_norm):
         attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
@@ -79,12 +64,8 @@ class KernelLayer:
         self.qkv_sizes = [part.out_features for part in (attn.q_proj, attn.k_proj, attn.v_proj)]
         self.gate_up_linears = [fused_gate_up] if fused_gate_up is not None else [mlp.gate_proj, mlp.up_proj]
         self.o_linear, self.down_linear = attn.o_proj, mlp.down_proj
-        self.qkv = [row_invariant_linear(linear) for linear in self.qkv_linears]
-        self.gate_up = [row_invariant_linear(linear) for linear in self.gate_up_linears]
         # tensor parallel: the ranks' fp32 partial sums of o and down, added across ranks (then rounded once)
         self.reduce_attention, self.reduce_mlp = attn.reduce, mlp.reduce
-        self.o = row_invariant_linear(attn.o_proj, out_fp32=attn.reduce is not None)
-        self.down = row_invariant_linear(mlp.down_proj, out_fp32=mlp.reduce is not None)
         norms = {"q": getattr(attn, "q_norm", None), "k": getattr(attn, "k_norm", None), "next": next_norm,
                  "post_attention": layer.post_attention_layernorm,
                  "pre_feedforward": getattr(layer, "pre_feedforward_layernorm", None),
@@ -95,35 +76,6 @@ class KernelLayer:
     def current(self) -> bool:
         """False once a norm weight changed in place (its kernel weight is derived from it)."""
         return all(weight._version == version for weight, version in self.norm_versions)
-
-    def project_qkv(self, normed: torch.Tensor) -> list[torch.Tensor]:
-        if len(self.qkv) == 1:
-            return self.qkv[0](normed).split(self.qkv_sizes, dim=-1)
-        return [linear(normed) for linear in self.qkv]
-
-    def __call__(self, x, normed, cos, sin, cache, slots, mask) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer output, next norm of it) for the residual stream x [B, T, H] and normed = its input norm."""
-        norm, eps, gemma = self.norm, self.eps, self.gemma
-        bsz, seq, _ = x.shape
-        q, k, v = self.project_qkv(normed)
-        keys, values = cache.keys[self.index], cache.values[self.index]
-        q = cpu_kernels.rope_store(q, k, v, norm["q"], norm["k"], eps, gemma, cos, sin, keys, values, slots)
-        span = mask.shape[-1]
-        attn = cpu_kernels.decode_attention(q, keys[:, :, :span], values[:, :, :span], mask, self.scale)
-        attn = self.o(attn.transpose(1, 2).reshape(bsz, seq, -1))
-        if self.reduce_attention is not None:
-            attn = self.reduce_attention(attn).to(x.dtype)
-        if gemma:  # sandwich norms: the sublayer's output is normed before the residual add
-            x, normed = cpu_kernels.residual_norm(x, attn, norm["post_attention"], norm["pre_feedforward"], eps, gemma)
-        else:
-            x, normed = cpu_kernels.residual_norm(x, attn, None, norm["post_attention"], eps, gemma)
-        # a fused gate/up output [.., 2 I] goes to the activation kernel as it is
-        gate_up = [linear(normed) for linear in self.gate_up]
-        mlp = self.down(cpu_kernels.gated_activation(gate_up[0], gate_up[1] if len(gate_up) > 1 else None,
-                                                     self.gelu))
-        if self.reduce_mlp is not None:
-            mlp = self.reduce_mlp(mlp).to(x.dtype)
-        return cpu_kernels.residual_norm(x, mlp, norm["post_feedforward"], norm["next"], eps, gemma)
 
     def stack_layer(self, kind: int):
         """This layer for cpu_kernels' LayerStack; `kind` indexes the forward's per-layer-type rope and masks."""
@@ -185,28 +137,11 @@ class KernelPlan:
             i: torch.cat([hidden[i] for _, hidden in parts], 1) for i in parts[0][1]}
 
     def _run(self, x, normed, rope, masks, cache, slots, output_layers):
-        loop = os.environ.get(LAYER_LOOP) or "cpp"
-        if loop == "cpp":
-            return self._run_stack(x, normed, rope, masks, cache, slots, output_layers)
-        if loop == "python":
-            return self._run_python(x, normed, rope, masks, cache, slots, output_layers)
-        raise ValueError(f"{LAYER_LOOP}={loop!r}: use one of {', '.join(LAYER_LOOPS)}")
-
-    def _run_stack(self, x, normed, rope, masks, cache, slots, output_layers):
         keep = sorted({i for i in output_layers if 0 <= i < len(self.layers)})
         types = self.layer_types
         normed, kept = self.stack.forward(x, normed, [rope[t][0] for t in types], [rope[t][1] for t in types],
                                           [masks[t] for t in types], cache.keys, cache.values, slots, keep)
         return normed, dict(zip(keep, kept))
-
-    def _run_python(self, x, normed, rope, masks, cache, slots, output_layers):
-        hidden: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope[layer.layer_type]
-            x, normed = layer(x, normed, cos, sin, cache, slots, masks[layer.layer_type])
-            if i in output_layers:
-                hidden[i] = x
-        return normed, hidden
 
 
 def kernel_plan(model) -> KernelPlan:

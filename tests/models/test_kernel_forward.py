@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels as ck
 from specserve.models import quant
-from specserve.models.kernel_forward import LAYER_LOOP
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import build_model, load_model
 from specserve.models.transformer import RMSNorm, rotate_half
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
 from specserve.speculative.sampling import SamplingParams
+from tests.models.reference_layer_loop import use_loop
 from tests.models.test_quant import isa_paths, random_gguf
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
@@ -278,7 +278,7 @@ def assert_loops_agree(model, monkeypatch, splits=([16, 1, 2, 3, 5, 8, 13, 32], 
     for split in splits:
         runs = {}
         for loop in ("python", "cpp"):
-            monkeypatch.setenv(LAYER_LOOP, loop)
+            use_loop(monkeypatch, loop)
             runs[loop] = run_chain(model, tokens, split, output_layers)
         assert all(torch.equal(a, b) for a, b in zip(runs["python"], runs["cpp"], strict=True)), split
 
@@ -348,10 +348,3 @@ def test_cpp_layer_loop_equals_python_loop_packed_and_bf16_unfused(monkeypatch):
     mlp = model.model.layers[0].mlp
     assert model.model.layers[0].self_attn.qkv_quant is None and mlp.gate_up is None and mlp.gate_up_quant is None
     assert_loops_agree(model, monkeypatch, splits=([16, 1, 7, 56],))
-
-
-def test_an_unknown_layer_loop_is_refused(bf16_model, monkeypatch):
-    model = bf16_model("llama").model
-    monkeypatch.setenv(LAYER_LOOP, "rust")
-    with pytest.raises(ValueError, match="SPECSERVE_LAYER_LOOP"):
-        run_chain(model, torch.randint(3, 384, (1, 4)), [4], ())

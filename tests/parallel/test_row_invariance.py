@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from specserve.config import DeploymentConfig, ModelConfig, SpeculativeConfig, build_engine
-from specserve.models.kernel_forward import LAYER_LOOP, kernel_plan
+from specserve.models.kernel_forward import kernel_plan
 from specserve.models.kv_cache import KVCache
 from specserve.parallel.launch import load_tensor_parallel
 from specserve.speculative.sampling import SamplingParams
+from tests.models.reference_layer_loop import use_loop
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_cpp_layer_loop_reduces_as_the_python_loop(tp2_bf16, monkeypatch):
     positions = torch.arange(9)[None].expand(2, -1)
 
     def forward(loop: str):
-        monkeypatch.setenv(LAYER_LOOP, loop)
+        use_loop(monkeypatch, loop)
         cache = KVCache.for_model(model, 2, 16)
         return model(tokens, positions, cache, positions, output_layers=(0, -1))
 
