@@ -38,6 +38,10 @@ class BatchStats:
     last_batch_size: int = 0
     last_draft_len: int = 0
 
+    def count(self, rows: int, draft_len: int) -> None:
+        """One more decoding step, of `rows` rows drafting `draft_len` tokens."""
+        self.steps, self.last_batch_size, self.last_draft_len = self.steps + 1, rows, draft_len
+
 
 class BatchEngine:
     """The steps of an engine (engine.Engine: its model, method and forward) over many requests. Rows
@@ -57,8 +61,7 @@ class BatchEngine:
         self.stats = BatchStats()
 
     def forget_acceptance(self) -> None:
-        """Start the acceptance pool and the draft gates' pool over (between runs of a benchmark); running requests
-        keep their own estimates."""
+        """Start the policy's pools over (between runs of a benchmark); running requests keep their estimates."""
         self.policy.forget()
 
     @property
@@ -66,8 +69,7 @@ class BatchEngine:
         return len(self.rows)
 
     def add(self, prompt: str | list[int], params: SamplingParams, checked=None) -> Sequence:
-        """Queue a request (RequestError for bad input; `checked`: Engine.check_request's verdict on it, which
-        spares the check); it starts at a later step."""
+        """Queue a request for a later step (RequestError for bad input; `checked`: Engine.check_request's verdict)."""
         seq = self.engine.new_sequence(prompt, params, checked=checked)
         self.waiting.append(seq)
         return seq
@@ -140,8 +142,7 @@ class BatchEngine:
         before = self.policy.before(seqs)
         events = self._forward(seqs)
         self.policy.observe(before, time.perf_counter() - started, plan)
-        self.stats.steps += 1
-        self.stats.last_batch_size, self.stats.last_draft_len = len(seqs), plan.draft_len
+        self.stats.count(len(seqs), plan.draft_len)
         return failed + self._collect(seqs, events)
 
     def _forward(self, seqs: list[Sequence]) -> list[StreamEvent | Exception | None]:

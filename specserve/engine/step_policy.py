@@ -1,9 +1,10 @@
 """What a batch's decoding step drafts, and what the step teaches, behind the two calls the batch engine makes a
 step: `plan(rows)` and, after the verify forward, `observe`.
 
-A plan holds the draft length the rows share (DraftLengthChoice: the most expected tokens per second from the
-target's measured cost per forward size and each request's acceptance), the price of a row's share of the step
-(from the same table), and for a tree method the rows whose draft gates take the cheap step (StepGates).
+A plan holds the draft length the rows share (draft_length.py, by the method's kind of drafting: the most expected
+tokens per second from the target's measured cost per forward size and each request's acceptance), the price of a
+row's share of the step (from the same table), and for a tree method the rows whose draft gates take the cheap step
+(StepGates).
 `observe` hands each row's verdict back to both: its drafted and accepted tokens, and for the gates the step's
 wall time. Without a cost table (adaptive drafting off) every step drafts the method's full length, ungated.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.engine.draft_gate import StepGates, Verdict
-from specserve.engine.draft_length import DraftLengthChoice
+from specserve.engine.draft_length import draft_length_choice
 from specserve.engine.sequence import Sequence
 from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.speculative.base import DraftKind
@@ -30,10 +31,12 @@ class StepPlan:
 class StepPolicy:
     def __init__(self, engine, costs: StepCosts | None):
         self.costs = costs
-        self.draft_length = DraftLengthChoice(engine, costs)
+        self.draft_length = draft_length_choice(engine, costs)
         # tree drafting that runs a model is gated per request by what it pays (draft_gate.py); a chain's length,
         # its drafting time included, is the draft length's choice
-        self.gates = StepGates() if costs is not None and engine.method.draft_kind is DraftKind.HEAD_TREE else None
+        kind = engine.method.draft_kind if engine.method is not None else None
+        trees = kind in (DraftKind.HEAD_TREE, DraftKind.SIZED_TREE)
+        self.gates = StepGates() if costs is not None and trees else None
 
     @classmethod
     def for_batch(cls, engine, max_rows: int, adaptive: bool, costs: StepCosts | None) -> StepPolicy:
@@ -71,14 +74,10 @@ class StepPolicy:
 
     def observe(self, before: list[tuple], wall: float, plan: StepPlan) -> None:
         """The verified step of the rows in `before`, which took `wall` seconds from its plan on."""
-        if self.draft_length.learns_from_shadows:
-            self.draft_length.score_shadows([seq for seq, *_ in before])
-            return
         verdicts = [Verdict(seq, seq.metrics.total_draft_tokens - drafted,
                             seq.metrics.total_accepted_draft_tokens - accepted, proposal)
                     for seq, drafted, accepted, proposal in before]
-        for v in verdicts:
-            self.draft_length.record(v.seq, v.drafted, v.accepted, v.proposal)
+        self.draft_length.observe(verdicts)
         if self.gates is not None:
             self.gates.observe(verdicts, wall, plan.verify)
 

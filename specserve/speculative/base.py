@@ -100,8 +100,10 @@ class DraftKind(Enum):
     # token, and it is probed where drafting stopped paying
     LOOKUP = "lookup"  # from the tokens alone (n-gram, suffix): free to draft, so its acceptance is also learnt
     # from drafts not verified; it drafts on after a grammar's forced tokens
-    HEAD_TREE = "head tree"  # trees from a head on the target's features (EAGLE, Medusa): per request, a draft
-    # gate decides whether they pay
+    HEAD_TREE = "head tree"  # trees from a head on the target's features (Medusa; EAGLE without measured costs):
+    # the batch's choice sets their depth, and per request a draft gate decides whether they pay
+    SIZED_TREE = "sized tree"  # a head's trees that the proposer sizes each step from the target's measured costs
+    # (EAGLE's tree budget): the batch hands them the full depth; gated as HEAD_TREE
 
 
 class SpecMethod(ABC):
@@ -109,7 +111,6 @@ class SpecMethod(ABC):
     needs_hidden_states = False  # whether proposers want observe_hidden() after every target forward
     hidden_layers: tuple[int, ...] = (-1,)  # the target layers whose outputs form a feature (-1: final normed)
     draft_kind = DraftKind.MODEL_CHAIN
-    budgets_itself = False  # whether proposers size their drafts from measured costs (the batch then does not)
     lossless = True  # False: sampled outputs do not follow the target's distribution exactly
 
     def draft_slots(self, max_draft_len: int) -> int:

@@ -51,7 +51,6 @@ from specserve.speculative.weights import read_draft_vocab
 
 class EagleMethod(SpecMethod):
     needs_hidden_states = True
-    draft_kind = DraftKind.HEAD_TREE
 
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,
@@ -99,8 +98,8 @@ class EagleMethod(SpecMethod):
                                                         head_quantization if self.kernels is not None else "none")
 
     @property
-    def budgets_itself(self) -> bool:
-        return self.verify_seconds is not None
+    def draft_kind(self) -> DraftKind:
+        return DraftKind.SIZED_TREE if self.verify_seconds is not None else DraftKind.HEAD_TREE
 
     def tree_nodes(self, depth: int) -> int:
         if self.choices is not None:

@@ -164,9 +164,9 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free,
     choice drafts one probe step after PROBE_AFTER undrafted ones and is revised from it. Learnt from verified
     drafts alone with no probes (the control), the estimate stays at its prior and the request decodes one token
     per forward."""
-    from specserve.engine.draft_length import DraftLengthChoice
+    from specserve.engine.draft_length import ModelChainLengths
 
-    monkeypatch.setattr(DraftLengthChoice, "PROBE_AFTER", DraftLengthChoice.PROBE_AFTER if probes else 10**9)
+    monkeypatch.setattr(ModelChainLengths, "PROBE_AFTER", ModelChainLengths.PROBE_AFTER if probes else 10**9)
     target = loaded("llama")
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     plain = Engine(target).generate(PROMPTS[0], params)
@@ -179,7 +179,7 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free,
     if free:
         assert result.metrics.target_forwards < 20, result.metrics.target_forwards
     elif probes:  # the first PROBE_AFTER steps decode alone, then the probe's verdict opens drafting
-        assert DraftLengthChoice.PROBE_AFTER < result.metrics.target_forwards < 30, result.metrics.target_forwards
+        assert ModelChainLengths.PROBE_AFTER < result.metrics.target_forwards < 30, result.metrics.target_forwards
     else:
         assert result.metrics.target_forwards == 40
 

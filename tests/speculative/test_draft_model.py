@@ -60,11 +60,11 @@ def test_the_price_per_drafted_token_leaves_out_the_catch_up(loaded, monkeypatch
 def test_the_draft_length_choice_prices_a_model_draft_by_its_one_token_forwards():
     """The choice's time per drafted token is the proposal's seconds_per_token where it gives one (a 40-token
     catch-up inside `seconds` would make drafting look four times dearer), else seconds / tokens."""
-    from specserve.engine.draft_length import DraftLengthChoice
+    from specserve.engine.draft_length import ModelChainLengths
     from specserve.speculative.acceptance import AcceptanceByEvidence
-    from specserve.speculative.base import DraftKind, Proposal
+    from specserve.speculative.base import Proposal
 
-    choice = DraftLengthChoice(SimpleNamespace(method=SimpleNamespace(draft_kind=DraftKind.MODEL_CHAIN)), None)
+    choice = ModelChainLengths(SimpleNamespace(), None)
     request = object()
     choice.acceptance[request] = AcceptanceByEvidence()
     caught_up = Proposal.chain(1, [5, 6, 7])
@@ -80,13 +80,13 @@ def test_the_draft_length_choice_prices_a_model_draft_by_its_one_token_forwards(
 def test_a_model_drafter_that_stopped_drafting_probes_again_ever_more_rarely():
     """Where its estimates say a draft does not pay, a model drafter still drafts one step after 8, then 16, 32 ...
     undrafted steps (it learns nothing otherwise); a drafter that drafts for free never needs to."""
-    from specserve.engine.draft_length import DraftLengthChoice
+    from specserve.engine.draft_length import draft_length_choice
     from specserve.speculative.base import DraftKind
 
     def drafted_steps(drafting: DraftKind) -> list[int]:
-        method = SimpleNamespace(draft_kind=drafting, budgets_itself=False)
-        choice = DraftLengthChoice(SimpleNamespace(method=method, max_draft_len=4), lambda rows, tokens: rows)
-        choice.draft_seconds_per_token = 10.0  # each drafted token costs ten target forwards: never worth it
+        engine = SimpleNamespace(method=SimpleNamespace(draft_kind=drafting), max_draft_len=4)
+        choice = draft_length_choice(engine, lambda rows, tokens: rows)
+        choice.drafting_seconds_per_token = lambda: 10.0  # each drafted token costs ten target forwards: never worth it
         request = type("Request", (), {"draft_cap": 4})()
         return [step for step in range(1, 130) if choice.choose([request])]
 
