@@ -287,7 +287,7 @@ class Runner:
         """(prompt ids, the engine's check_request verdict: its grammar compiled here, off the compute thread)."""
         if isinstance(prompt, str):
             prompt_ids = self.engine.encode(prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list):  # check_request checks the ids
             prompt_ids = list(prompt)
         else:
             raise RequestError("prompt must be a string or a list of token ids")

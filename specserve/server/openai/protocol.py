@@ -90,8 +90,9 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
 
 def read_prompt(body: dict, engine, chat: bool, max_messages: int, chat_template: str | None = None,
                 tools: list[dict] | None = None) -> tuple[str | list[int], list[int], str]:
-    """(prompt for the runner, its token ids, the text to echo before the completion); `chat_template` is the
-    server's override of the model's own, `tools` the functions the template is shown."""
+    """(prompt for the runner, its token ids, the text to echo before the completion: None where it is the token
+    ids' text, which `echo_text` decodes once the runner checked them); `chat_template` is the server's override of
+    the model's own, `tools` the functions the template is shown."""
     if chat:
         ids = chat_prompt(body, engine, max_messages, chat_template, tools)
         return ids, ids, ""
@@ -99,8 +100,14 @@ def read_prompt(body: dict, engine, chat: bool, max_messages: int, chat_template
     return prompt, ids, text if body.get("echo") else ""  # a flag: parse_common checked it
 
 
-def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], str]:
-    """prompt (str | [str] | [int] | [[int]], one prompt) -> (prompt for the runner, token ids, text to echo)."""
+def echo_text(echo: str | None, ids: list[int], engine) -> str:
+    """read_prompt's echo, the token ids decoded where it left them (after the runner accepted them)."""
+    return engine.tokenizer.decode(ids) if echo is None else echo
+
+
+def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], str | None]:
+    """prompt (str | [str] | [int] | [[int]], one prompt) -> (prompt for the runner, token ids, text to echo: None
+    for token ids, whose range the runner checks)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -110,8 +117,7 @@ def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], s
         ids = engine.encode(prompt)
         return ids, ids, prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        engine.check_token_ids(prompt)
-        return prompt, prompt, engine.tokenizer.decode(prompt)
+        return prompt, prompt, None
     if isinstance(prompt, list) and len(prompt) > 1:
         raise InputError("batched prompts are not supported: send one prompt per request", param="prompt")
     raise InputError("prompt must be a string or a list of token ids", param="prompt")

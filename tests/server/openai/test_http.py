@@ -55,6 +55,20 @@ def test_completion_token_ids_and_stop(client, server):
         assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
 
 
+def test_token_id_prompts_echo_their_text_and_out_of_range_ids_are_refused(client, server):
+    """Token ids are checked once, by the engine, before their text is decoded for the echo."""
+    engine = server.repository.models["tensorrt_llm"].engine
+    ids = engine.encode(PROMPT)
+    out = client.completions.create(model="tensorrt_llm", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text.startswith(engine.tokenizer.decode(ids))
+    vocab = engine.model.spec.vocab_size
+    for bad in ([*ids, vocab], [-1, *ids], [*ids[:2], 10**12]):
+        reply = server.http.post("/v1/completions", json={"model": "tensorrt_llm", "prompt": bad, "echo": True,
+                                                           "max_tokens": 4})
+        assert reply.status_code == 400, bad
+        assert f"prompt token ids must be integers in [0, {vocab})" in reply.json()["error"]["message"]
+
+
 def test_seed_reproducible(client):
     runs = [client.completions.create(model="eagle_model", prompt=PROMPT, max_tokens=12, temperature=0.9,
                                       seed=7).choices[0].text for _ in range(2)]
