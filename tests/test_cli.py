@@ -232,6 +232,23 @@ def test_bench_native_llamacpp_says_what_it_needs(checkpoint, monkeypatch, tmp_p
         native_llamacpp.native_runner(replace(target, gguf=tmp_path / "m.gguf"), "def f():", 4)
 
 
+@pytest.mark.parametrize("amx,crashes,builds", [(True, True, 2), (True, False, 1), (False, True, 1)])
+def test_a_native_build_that_crashes_on_amx_is_built_again_without_it(amx, crashes, builds, monkeypatch, tmp_path):
+    """Where the first build's llama-bench crashes and the CPU has AMX, the tools are built again with ggml's AMX
+    backend compiled out; a build that runs, or a CPU without AMX, is built once."""
+    from specserve.bench import native_llamacpp
+
+    flags = []
+    monkeypatch.setattr(native_llamacpp, "compile_tools", lambda source, build, jobs, extra=(): (
+        build.mkdir(exist_ok=True), flags.append(extra)))
+    monkeypatch.setattr(native_llamacpp, "runs", lambda binary: not crashes)
+    monkeypatch.setattr(native_llamacpp, "cpu_has_amx", lambda: amx)
+    uses_amx = native_llamacpp.compile_working_tools(tmp_path, tmp_path / "build", 2)
+    assert len(flags) == builds and uses_amx == (amx and not crashes)
+    if builds == 2:
+        assert flags[1] == (f"-DCMAKE_C_FLAGS={native_llamacpp.NO_AMX}", f"-DCMAKE_CXX_FLAGS={native_llamacpp.NO_AMX}")
+
+
 def test_native_llamacpp_runner_times_by_llamacpps_own_timings():
     """Each request's seconds are llama.cpp's prompt_ms + predicted_ms; decode and prefill rates apart."""
     from specserve.bench.native_llamacpp import NativeRunner

@@ -3,7 +3,9 @@
 `build()` compiles llama.cpp's own `llama-server` and `llama-bench` (CMake, CPU only, `GGML_NATIVE`: the build
 machine's instructions) from the llama.cpp source that the pinned llama-cpp-python release vendors, so the peer is
 the same llama.cpp the `llamacpp` method loads through Python, without that binding's per-token Python loop
-(`python -m specserve.bench.native_llamacpp`, ~8 minutes on 2 cores; the binaries go to the cache).
+(`python -m specserve.bench.native_llamacpp`, 8-15 minutes on 2 cores; the binaries go to the cache). The build
+must run: where its `llama-bench` crashes on the embedded default model and the CPU has AMX, it is built again
+without ggml's AMX backend (with GCC 12 on a 2-core Xeon its AMX matmul segfaulted), on its AVX-512 path.
 
 `NativeServer` runs `llama-server` on the same GGUF; `native_runner` sends it the very prompt token ids specserve's
 tokenizer makes (greedy: top-k 1, temperature 0, no prompt cache between requests) and times each request by
@@ -45,6 +47,9 @@ def server_binary() -> Path | None:
     return path if path.is_file() else None
 
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC: explicit -mno-* flags win over -march=native's
+
+
 def build(out: Path | None = None, jobs: int | None = None) -> Path:
     """Download the pinned sdist, build llama.cpp's CPU tools natively, copy them to `out/bin`; returns `out`."""
     out = out or install_dir()
@@ -57,16 +62,50 @@ def build(out: Path | None = None, jobs: int | None = None) -> Path:
             archive.extractall(work, filter="data")
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build_dir = work / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
-                        "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"], check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs or os.cpu_count()),
-                        "--target", *TARGETS], check=True)
+        amx = compile_working_tools(source, build_dir, jobs)
         (out / "bin").mkdir(parents=True, exist_ok=True)
         for target in TARGETS:
             shutil.copy2(build_dir / "bin" / target, out / "bin" / target)
-    (out / "BUILD").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "native": True, "cpu_only": True}) + "\n")
+    (out / "BUILD").write_text(json.dumps({"source": LLAMA_CPP_PYTHON, "native": True, "cpu_only": True,
+                                           "amx": amx}) + "\n")
     return out
+
+
+def compile_working_tools(source: Path, build_dir: Path, jobs: int | None) -> bool:
+    """Build the tools into `build_dir`; again without ggml's AMX backend where the first build's llama-bench
+    crashes on a CPU with AMX. Returns whether the tools use AMX."""
+    compile_tools(source, build_dir, jobs)
+    if not cpu_has_amx():
+        return False
+    if runs(build_dir / "bin" / "llama-bench"):
+        return True
+    print("llama-bench crashed with ggml's AMX backend: building it again without AMX", file=sys.stderr)
+    shutil.rmtree(build_dir)
+    compile_tools(source, build_dir, jobs, (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"))
+    return False
+
+
+def compile_tools(source: Path, build_dir: Path, jobs: int | None, flags: tuple[str, ...] = ()) -> None:
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+                    "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", *flags], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs or os.cpu_count()),
+                    "--target", *TARGETS], check=True)
+
+
+def runs(llama_bench: Path) -> bool:
+    """Whether `llama_bench` gets through an 8-token prompt and one token of the embedded default model."""
+    from specserve.models.loader import embedded_default_gguf
+
+    smoke = [str(llama_bench), "-m", str(embedded_default_gguf()), "-p", "8", "-n", "1", "-r", "1", "-t", "1"]
+    return subprocess.run(smoke, capture_output=True, timeout=300).returncode == 0
+
+
+def cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -167,7 +206,7 @@ def native_runner(target, first_prompt: str, max_tokens: int) -> NativeRunner:
     binary = server_binary()
     if binary is None:
         raise ConfigError("llamacpp-native needs llama.cpp built natively: python -m specserve.bench.native_llamacpp "
-                          f"(about 8 minutes), or {SERVER_ENV}=<a llama-server binary>")
+                          f"(8-15 minutes), or {SERVER_ENV}=<a llama-server binary>")
     return NativeRunner(NativeServer(binary, target.gguf, os.cpu_count() or 1), target.tokenizer, first_prompt,
                         max_tokens)
 
