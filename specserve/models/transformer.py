@@ -145,7 +145,9 @@ class RMSNorm(nn.Module):
         return self._kernel_weight[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and cpu_kernels.available():
+        # the kernel rounds as the ops below do, but has no gradient (an EAGLE head trains with this module)
+        kernel = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+        if kernel and cpu_kernels.available():
             return cpu_kernels.rms_norm(x, self.kernel_weight(), self.eps, self.gemma)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

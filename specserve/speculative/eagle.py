@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.models.transformer import RopeTables
+from specserve.models.transformer import RMSNorm, RopeTables, rotate_half
 from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 TORCH_FILE = "pytorch_model.bin"
@@ -144,18 +144,6 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class HeadAttention(nn.Module):
     def __init__(self, config: EagleConfig, input_size: int):
         super().__init__()
@@ -183,9 +171,8 @@ class HeadAttention(nn.Module):
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    """The target's rotation (transformer.py), in x's dtype whatever the tables' (training passes fp32 ones)."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
 class HeadMLP(nn.Module):
@@ -211,10 +198,10 @@ class HeadLayer(nn.Module):
         self.self_attn = HeadAttention(config, 2 * h if fused else h)
         self.mlp = HeadMLP(config)
         if input_norm or fused:
-            self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.input_layernorm = RMSNorm(h, config.rms_norm_eps, gemma=False)
         if fused:
-            self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, config.rms_norm_eps, gemma=False)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, gemma=False)
 
     def forward(self, x, embeds, cos, sin, cache, layer, slots, mask) -> torch.Tensor:
         residual = x
@@ -239,7 +226,7 @@ class EagleHead(nn.Module):
         if config.kind == "eagle3":
             self.fc = Linear(3 * config.target_hidden_size, h, bias=False)
             self.midlayer = HeadLayer(config, fused=True)
-            self.norm = RMSNorm(h, config.rms_norm_eps)
+            self.norm = RMSNorm(h, config.rms_norm_eps, gemma=False)
             self.lm_head = Linear(h, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool)
