@@ -91,18 +91,13 @@ def build_params(fields: CommonFields, prompt_len: int, max_model_len: int, chat
 def read_prompt(body: dict, engine, chat: bool, max_messages: int, chat_template: str | None = None,
                 tools: list[dict] | None = None) -> tuple[str | list[int], list[int], str]:
     """(prompt for the runner, its token ids, the text to echo before the completion: None where it is the token
-    ids' text, which `echo_text` decodes once the runner checked them); `chat_template` is the server's override of
+    ids' text, which the caller decodes once the runner checked them); `chat_template` is the server's override of
     the model's own, `tools` the functions the template is shown."""
     if chat:
         ids = chat_prompt(body, engine, max_messages, chat_template, tools)
         return ids, ids, ""
     prompt, ids, text = completion_prompt(body, engine)
     return prompt, ids, text if body.get("echo") else ""  # a flag: parse_common checked it
-
-
-def echo_text(echo: str | None, ids: list[int], engine) -> str:
-    """read_prompt's echo, the token ids decoded where it left them (after the runner accepted them)."""
-    return engine.tokenizer.decode(ids) if echo is None else echo
 
 
 def completion_prompt(body: dict, engine) -> tuple[str | list[int], list[int], str | None]:

@@ -19,7 +19,7 @@ from specserve.server.openai.fields import CommonFields, parse_common
 from specserve.server.openai.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from specserve.server.openai.protocol import (build_params, check_unsupported, choice, chunk, chunk_object,
                                               completion_body, error_json, error_response, exception_body,
-                                              echo_text, find_model, read_prompt, usage)
+                                              find_model, read_prompt, usage)
 from specserve.server.openai.tools import ToolRequest, parse_tools
 from specserve.server.repository import ModelNotReadyError, RepositoryError
 from specserve.server.request import ServerContext, first_event
@@ -50,7 +50,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         params = build_params(fields, len(ids), model.engine.max_model_len, chat, format_stop)
         for index in range(fields.n):
             handles.append(await ctx.submit(model, prompt, choice_params(params, index)))
-        echo = echo_text(echo, ids, model.engine)
+        if echo is None:  # a token-id prompt's text, decoded (off the event loop) once the runner accepted the ids
+            echo = await off_loop(model.engine.tokenizer.decode, ids)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": name}
         reply = Reply(meta, fields, chat, echo, TokenText(model.engine.tokenizer), handles[0].prompt_ids, tools)
