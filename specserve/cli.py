@@ -457,7 +457,10 @@ def train_command(
     vocab_rows_only: bool = typer.Option(False, help="medusa: write only the draft vocabulary's rows of each "
                                                      "lm_head (compact; other Medusa tools read only the full "
                                                      "published form)."),
-    draft_layers: int = typer.Option(2, help="draft: decoder layers of the small draft model."),
+    draft_layers: int = typer.Option(2, help="draft: decoder layers of the small draft model; dflash: of the "
+                                             "block drafter."),
+    block_size: int = typer.Option(8, help="dflash: the block (its given first token and the tokens drafted)."),
+    anchors: int = typer.Option(16, help="dflash: blocks drawn per training window."),
     seed: int = typer.Option(0),
     dtype: Optional[str] = typer.Option(None, help="The target's dtype: auto, bfloat16 or float32."),
 ) -> None:
@@ -476,7 +479,8 @@ def train_command(
             train_prompts = train_prompts[:num_prompts]
         settings = TrainSettings(kind=kind, steps=steps, lr=lr, batch_size=batch_size, grad_accum=grad_accum,
                                  seq_len=seq_len, ttt_steps=ttt_steps, draft_vocab_size=draft_vocab_size,
-                                 medusa_heads=medusa_heads, draft_layers=draft_layers, seed=seed,
+                                 medusa_heads=medusa_heads, draft_layers=draft_layers, block_size=block_size,
+                                 anchors=anchors, seed=seed,
                                  vocab_rows_only=vocab_rows_only)
         # the trainers read the target's embedding and lm_head as dense tables: train on the dequantized weights
         model = load_model(target, dtype=dtype, quantization="none")

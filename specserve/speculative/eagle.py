@@ -263,13 +263,7 @@ class EagleHead(nn.Module):
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (cos, sin) [T, head_dim] at `positions`: a Llama layer's, from the target's rope tables."""
         if self._rotary is None:
-            from transformers import LlamaConfig
-
-            cfg = self.config
-            hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                             rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-                             max_position_embeddings=cfg.max_position_embeddings)
-            self._rotary = RopeTables(hf, torch.float32)
+            self._rotary = llama_rope_tables(self.config)
         return self._rotary.lookup(positions.long(), "full_attention")
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
@@ -408,3 +402,13 @@ def new_eagle_head(target_spec, kind: str, draft_vocab_ids: torch.Tensor | None 
     if kind == "eagle3" and draft_vocab_ids is not None:
         head.set_draft_vocab(draft_vocab_ids)
     return head
+
+
+def llama_rope_tables(config) -> RopeTables:
+    """fp32 rope tables of a Llama-style draft layer (EAGLE heads, DFlash drafters) from its config's rope fields."""
+    from transformers import LlamaConfig
+
+    hf = LlamaConfig(hidden_size=config.hidden_size, num_attention_heads=config.num_heads, head_dim=config.head_dim,
+                     rope_theta=config.rope_theta, rope_scaling=config.rope_scaling,
+                     max_position_embeddings=config.max_position_embeddings)
+    return RopeTables(hf, torch.float32)

@@ -28,23 +28,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from specserve.checks import ConfigError, flag, int_at_least
+from specserve.checks import ConfigError, int_at_least
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import eagle_kernels
-from specserve.speculative.acceptance import AcceptanceByEvidence
-from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.base import DraftKind, MethodEntry, Proposal, Proposer, SpecMethod
+from specserve.speculative.branched import BRANCHES, COMBINED_DRAFT_CAP, BranchedProposer, BranchOptions, Branches
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
-from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
-from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
-from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
 from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
@@ -55,25 +52,20 @@ class EagleMethod(SpecMethod):
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
                  total_tokens: int = 60,
                  choices: list[list[int]] | None = None, aux_layer_ids: list[int] | None = None,
-                 verify_seconds: Callable[[int], float] | None = None, lookup: tuple[int, int] | None = None,
-                 suffix: SuffixMethod | None = None,
+                 verify_seconds: Callable[[int], float] | None = None, branches: Branches | None = None,
                  head_quantization: str = eagle_kernels.DEFAULT_HEAD_QUANTIZATION,
                  draft_vocab: torch.Tensor | None = None):
         """`choices` given: a static tree (EAGLE-1); else a dynamic one of `top_k` branching and at most
         `total_tokens` draft nodes. `verify_seconds(n)`: the target's cost of verifying n tokens, enabling the
         hardware-aware budget (a dynamic tree grows and is cut by it; a static tree is cut to its best subtree).
-        `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `lookup` (min n, max n): merge
-        prompt lookup's continuation into every tree; `suffix`: merge that suffix method's best chain instead.
+        `aux_layer_ids`: EAGLE-3's fused target layers (inputs of those layers). `branches`: the lookup chain
+        merged into every tree (prompt lookup's or a suffix method's; none by default).
         `head_quantization`: the head's weights on the kernels ("int8", "int4" or "none": bf16), eagle_kernels.py.
         `draft_vocab` (EAGLE-1, the head's draft_vocab.json): the target ids its drafts are scored over, through
         those rows of the target's lm_head, instead of the whole vocabulary."""
         if top_k < 1 or total_tokens < 1:
             raise ValueError(f"need top_k >= 1 and total_tokens >= 1, got {top_k}, {total_tokens}")
-        if lookup is not None:
-            check_lookup_bounds(*lookup, ValueError)
-        if lookup is not None and suffix is not None:
-            raise ValueError("prompt lookup and suffix decoding cannot both be the branch")
-        self.lookup, self.suffix = lookup, suffix
+        self.branches = branches or Branches()
         self.name = name
         self.max_depth = max_depth
         self.head = head
@@ -81,7 +73,6 @@ class EagleMethod(SpecMethod):
         self.top_k, self.total_tokens = top_k, total_tokens
         self.choices = [list(c) for c in choices] if choices else None
         self.verify_seconds = verify_seconds
-        self.lookup_pool = AcceptanceByEvidence.pooled()  # the lookup branch's acceptance over requests
         if head.kind == "eagle3":
             # the input of layer i is the output of layer i - 1
             self.hidden_layers = tuple(int(i) - 1 for i in aux_layer_ids)
@@ -113,26 +104,16 @@ class EagleMethod(SpecMethod):
         return self.top_k * depth
 
     def draft_slots(self, max_draft_len: int) -> int:
-        return 1 + self.tree_nodes(max_draft_len) + (max_draft_len if self.lookup or self.suffix else 0)
+        return 1 + self.tree_nodes(max_draft_len) + (max_draft_len if self.branches else 0)
 
     def new_proposer(self, params, generator, capacity) -> Proposer:
         return EagleProposer(self, capacity, params)
 
-    def branch(self, params, capacity: int) -> LookupBranch | None:
-        """A request's lookup branch, if the trees have one. A seeded request's learns from its own tokens only, so
-        that its drafts, and so the random numbers its verification draws, do not depend on earlier requests."""
-        pool = self.lookup_pool if params.seed is None else None
-        if self.suffix is not None:
-            return SuffixBranch(self.suffix.new_proposer(params, None, capacity), pool)
-        return LookupBranch(*self.lookup, pool) if self.lookup else None
-
     def reset(self) -> None:
-        self.lookup_pool = AcceptanceByEvidence.pooled()
-        if self.suffix is not None:
-            self.suffix.reset()
+        self.branches.reset()
 
     def stats(self) -> dict:
-        return self.suffix.stats() if self.suffix is not None else {}
+        return self.branches.stats()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -161,7 +142,7 @@ class EagleMethod(SpecMethod):
 MIN_PATH_PROBABILITY = 1e-3
 
 
-class EagleProposer(Proposer):
+class EagleProposer(BranchedProposer):
     def __init__(self, method: EagleMethod, capacity: int, params):
         self.m = method
         head_capacity = capacity + method.expanded_nodes(method.max_depth) + 1
@@ -171,15 +152,7 @@ class EagleProposer(Proposer):
         self.last_output: torch.Tensor | None = None  # the head's output at the last committed pair
         self.last_lm_input: torch.Tensor | None = None  # and its draft lm_head input (the root's logits)
         self.budget = TreeBudget(method.verify_seconds, method.top_k, method.total_tokens, method.choices is not None)
-        self.lookup = method.branch(params, capacity)
-
-    def request_finished(self, output: list[int]) -> None:
-        if self.lookup is not None:
-            self.lookup.request_finished(output)
-
-    def situation(self, tokens: list[int], max_len: int) -> bool | None:
-        """With a lookup branch: whether it has a chain to offer at this step (Proposer.situation)."""
-        return None if self.lookup is None else self.lookup.has_chain(tokens, max(1, max_len))
+        self.lookup = method.branches.for_request(params, capacity)
 
     def observe_hidden(self, hidden: torch.Tensor) -> None:
         self.features.append(hidden)
@@ -189,9 +162,9 @@ class EagleProposer(Proposer):
     def propose(self, tokens: list[int], max_len: int) -> Proposal:
         if max_len <= 0 or (not self.features and self.last_output is None):
             return Proposal.chain(tokens[-1], [])
-        chain, reach = self.lookup.propose(tokens, max_len) if self.lookup is not None else ([], [])
+        chain, reach = self.branch_chain(tokens, max_len)
         if self.budget.lookup_alone_pays(reach):
-            return self._lookup_only(tokens[-1], chain, reach)
+            return self.lookup_only(tokens[-1], chain, reach)
         start = time.perf_counter()
         self._catch_up(tokens)
         nodes = self._grow(tokens[-1], max_len, chain, reach)
@@ -202,21 +175,6 @@ class EagleProposer(Proposer):
             return Proposal.chain(tokens[-1], [])
         self.budget.expect(nodes, keep)
         return Proposal(nodes.tree(keep))
-
-    def propose_cheap(self, tokens: list[int], max_len: int) -> Proposal:
-        """The lookup branch alone (nothing without one); the head's pairs wait in self.features for a later step."""
-        if max_len <= 0 or self.lookup is None:
-            return Proposal.chain(tokens[-1], [])
-        return self._lookup_only(tokens[-1], *self.lookup.propose(tokens, max_len))
-
-    def _lookup_only(self, root: int, chain: list[int], reach: list[float]) -> Proposal:
-        nodes = Nodes(root, None)
-        self._merge(nodes, chain, reach)
-        keep = self.budget.select(nodes)
-        if not keep:
-            return Proposal.chain(root, [], cheap=True)
-        self.budget.expect(nodes, keep)
-        return Proposal(nodes.tree(keep), cheap=True)
 
     def _catch_up(self, tokens: list[int]) -> None:
         """Run the head over the pairs (feature t, token t + 1) committed since the last step."""
@@ -285,22 +243,18 @@ class EagleProposer(Proposer):
             return -math.inf
         return math.log(MIN_PATH_PROBABILITY / self.budget.calibration)
 
-    def _merge(self, nodes: Nodes, chain: list[int], reach: list[float]) -> None:
-        # stored scores are the head's uncalibrated ones: dividing by c keeps c * exp(score) = reach[depth - 1]
-        nodes.merge_chain(chain, reach, math.log(self.budget.calibration))
-
     def _grow(self, root_token: int, max_len: int, chain: list[int], reach: list[float]) -> Nodes:
         m = self.m
         nodes = Nodes(root_token, self.last_output)
         root_logp = m.log_probs(self.last_lm_input[None])[0]
         if m.choices is not None:
             nodes = self._grow_static(nodes, root_logp, max_len)
-            self._merge(nodes, chain, reach)
+            self.merge(nodes, chain, reach)
             return nodes
         level = self._add_children(nodes, 0, root_logp, list(range(m.top_k)))
         # the lookup chain joins before the head's deeper levels: a good chain raises the rate that each further
         # level must beat, so the head stops drafting where the lookup already covers the step
-        self._merge(nodes, chain, reach)
+        self.merge(nodes, chain, reach)
         for _ in range(max_len - 1):
             expand = sorted(level, key=lambda n: -nodes.scores[n])[: m.top_k]
             if not self.budget.worth_another_level(nodes, expand):
@@ -340,7 +294,7 @@ DYNAMIC_TREE_KEYS = frozenset({"top_k", "depth", "total_token", "max_non_leaves_
 
 
 @dataclass
-class EagleOptions(MethodOptions):
+class EagleOptions(BranchOptions):
     """Tree settings in the EAGLE repository's spelling (`top_k`, `total_token` = nodes including the root) or
     TensorRT-LLM's (`max_non_leaves_per_layer` or `dynamic_tree_max_topK`, `max_total_draft_tokens`); the depth
     (`depth` = levels after the first, `num_eagle_layers`) is read as max_draft_len by the model.yaml reader."""
@@ -349,25 +303,15 @@ class EagleOptions(MethodOptions):
     top_k: int = 8  # dynamic trees: children per expanded node and nodes expanded per level
     total_tokens: int = 48  # dynamic trees: draft nodes at most (the budget may choose fewer)
     layers: list[int] | None = None  # eagle3_layers_to_capture; None: the head's config or the default
-    lookup_branch: bool = False  # prompt_lookup_branch: merge prompt lookup's continuation into every tree
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = NGramOptions.prompt_lookup_max  # the branch drafts what prompt lookup alone would
-    suffix_branch: bool = False  # merge suffix decoding's best chain into every tree instead
-    suffix: dict = field(default_factory=dict)  # that suffix method's settings (SuffixOptions fields)
     # the head's weights when it drafts on the CPU kernels: int4, int8 or none (bf16)
     quantization: str = eagle_kernels.DEFAULT_HEAD_QUANTIZATION
-    KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | LOOKUP_KEYS | SuffixOptions.KEYS | {
-        "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "prompt_lookup_branch", "suffix_branch",
-        "quantization", "eagle3_one_model", "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to do
-    EXCLUSIVE: ClassVar[dict[str, str]] = {"prompt_lookup_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)",
-                                           "suffix_branch": "EAGLE trees (decoding_type: Eagle or Eagle3)"}
+    KEYS: ClassVar[frozenset[str]] = DYNAMIC_TREE_KEYS | BranchOptions.KEYS | {
+        "eagle_choices", "use_dynamic_tree", "eagle3_layers_to_capture", "quantization", "eagle3_one_model",
+        "greedy_sampling"}  # the last two: TRT-LLM engine choices, nothing to do
 
     @classmethod
     def read(cls, settings: dict) -> dict:
-        out = {"choices": settings.get("eagle_choices"), **read_lookup_bounds(settings),
-               "suffix": SuffixOptions.read(settings)}
-        if "suffix_branch" in settings:
-            out["suffix_branch"] = flag(settings["suffix_branch"], "suffix_branch")
+        out = {"choices": settings.get("eagle_choices"), **BranchOptions.read(settings)}
         for key in ("top_k", "max_non_leaves_per_layer", "dynamic_tree_max_topK"):
             if key in settings:
                 out["top_k"] = int_at_least(settings[key], key)
@@ -380,21 +324,7 @@ class EagleOptions(MethodOptions):
             if not isinstance(layers, list) or len(layers) != 3:
                 raise ConfigError(f"eagle3_layers_to_capture must list 3 target layers, got {layers!r}")
             out["layers"] = [int_at_least(layer, "eagle3_layers_to_capture", 1) for layer in layers]
-        if "prompt_lookup_branch" in settings:
-            out["lookup_branch"] = flag(settings["prompt_lookup_branch"], "prompt_lookup_branch")
         return {**out, **eagle_kernels.read_quantization(settings, "an EAGLE head")}
-
-    def check(self) -> None:
-        if self.lookup_branch:
-            check_lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
-        if self.lookup_branch and self.suffix_branch:
-            raise ConfigError("prompt_lookup_branch and suffix_branch: an EAGLE tree takes one lookup branch")
-
-    @property
-    def label(self) -> str:
-        if self.suffix_branch:
-            return f"{self.name}+{SUFFIX.name}"
-        return f"{self.name}+{NGRAM.name}" if self.lookup_branch else self.name
 
 
 def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
@@ -407,13 +337,11 @@ def build(options: EagleOptions, target: LoadedModel) -> EagleMethod:
             raise ValueError(f"EAGLE-3 target layers {aux} must lie in 1..{spec.num_layers}")
         static = options.name == "eagle" or options.choices is not None
         verify_seconds = measured_step_costs(target) if options.adaptive_draft_len else None
-        lookup = (options.prompt_lookup_min, options.prompt_lookup_max) if options.lookup_branch else None
-        suffix = SUFFIX.build(SuffixOptions(**options.suffix), target) if options.suffix_branch else None
         draft_vocab = read_draft_vocab(Path(options.model), spec.vocab_size) if head.kind == "eagle" else None
         return EagleMethod(head, target.model, options.label, options.max_draft_len, top_k=options.top_k,
                            total_tokens=options.total_tokens,
                            choices=(options.choices or DEFAULT_CHOICES) if static else None, aux_layer_ids=aux,
-                           verify_seconds=verify_seconds, lookup=lookup, suffix=suffix,
+                           verify_seconds=verify_seconds, branches=Branches.of(options, target),
                            head_quantization=options.quantization, draft_vocab=draft_vocab)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"cannot use EAGLE head {options.model}: {exc}") from None
@@ -436,11 +364,6 @@ def dynamic_if_asked(settings: dict) -> MethodEntry:
 
 
 HEAD = "the directory of the EAGLE head"
-BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # eagle3+ngram, eagle3+suffix
-# a tree with a lookup branch, unless max_draft_len is given: as deep as `ngram`'s cap (a shallower branch lost
-# to `ngram` alone: docs/design-notes.md); the tree budget and the draft gate keep the head's own levels from going
-# deeper than they pay
-COMBINED_DRAFT_CAP = NGRAM.adaptive_draft_cap
 EAGLE1 = MethodEntry("eagle", EagleOptions, build, aliases=("eagle1",), trtllm="Eagle", model_needed=HEAD,
                      head_kind="eagle", combines=BRANCHES, variant=dynamic_if_asked, sized_trees=True,
                      combined_draft_cap=COMBINED_DRAFT_CAP)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specserve.checks import ConfigError
 from specserve.speculative.base import MethodEntry
+from specserve.speculative.dflash_draft import DFLASH
 from specserve.speculative.draft_model import DRAFT_MODEL
 from specserve.speculative.eagle_draft import EAGLE1, EAGLE2, EAGLE3
 from specserve.speculative.medusa_draft import MEDUSA
@@ -22,6 +23,7 @@ METHODS: tuple[MethodEntry, ...] = (
     EAGLE1,
     EAGLE2,
     EAGLE3,
+    DFLASH,
 )
 PLAIN = "ar"  # no speculation: plain autoregressive decoding
 PLAIN_SPELLINGS = (PLAIN, "none", "base")

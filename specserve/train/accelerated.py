@@ -104,7 +104,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--distilled", type=Path, action="append", required=True,
                         help="`specserve distill` token data (repeatable)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--kind", default="eagle3", choices=["eagle3", "eagle", "medusa"])
+    parser.add_argument("--kind", default="eagle3", choices=["eagle3", "eagle", "medusa", "dflash"])
     parser.add_argument("--minutes", type=float, required=True, help="wall time for the whole run")
     parser.add_argument("--max-steps", type=int, default=100_000)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -112,6 +112,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttt-steps", type=int, default=3)
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--medusa-heads", type=int, default=3)
+    parser.add_argument("--draft-layers", type=int, default=2, help="dflash: the block drafter's layers")
+    parser.add_argument("--block-size", type=int, default=8, help="dflash: the block")
+    parser.add_argument("--anchors", type=int, default=16, help="dflash: blocks drawn per window")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     features_seconds = time.perf_counter() - started
     settings = TrainSettings(kind=args.kind, lr=args.lr, batch_size=args.batch_size, ttt_steps=args.ttt_steps,
                              draft_vocab_size=args.draft_vocab_size, medusa_heads=args.medusa_heads, seed=args.seed,
+                             draft_layers=args.draft_layers, block_size=args.block_size, anchors=args.anchors,
                              save_every=500, vocab_rows_only=args.kind == "medusa")
     steps, per_step = fitted_steps(settings, target, records, deadline - time.perf_counter() - WRITING_SECONDS,
                                    args.out / "probe", args.max_steps)

@@ -118,14 +118,16 @@ def decode_batches(engine: Engine, prompts: list[str], max_tokens: int, batch_si
 
 
 @torch.inference_mode()
-def record_features(target: LoadedModel, tokens: list[int], aux_layer_ids: list[int]) -> dict:
+def record_features(target: LoadedModel, tokens: list[int], aux_layer_ids: list[int], labels: bool = True) -> dict:
+    """`labels=False`: the features alone (no lm_head over every position: most of a small model's forward)."""
     model = target.model
     ids = torch.tensor([tokens])
     positions = torch.arange(len(tokens))[None]
     cache = KVCache.for_model(model, 1, len(tokens))
     layers = tuple(i - 1 for i in aux_layer_ids)
-    out = model(ids, positions, cache, positions, output_layers=(-1, *layers))
-    return {"tokens": ids[0].clone(), "labels": out.logits[0].argmax(-1),
+    out = model(ids, positions, cache, positions, output_layers=(-1, *layers),
+                logits_rows=None if labels else torch.empty(1, 0, dtype=torch.long))
+    return {"tokens": ids[0].clone(), "labels": out.logits[0].argmax(-1) if labels else None,
             "final": out.hidden_states[-1][0].to(torch.bfloat16).clone(),
             "aux": torch.cat([out.hidden_states[i][0] for i in layers], -1).to(torch.bfloat16)}
 

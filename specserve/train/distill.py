@@ -196,5 +196,5 @@ def recompute_features(target: LoadedModel, ids: list[int]) -> torch.Tensor:
     """What `FeatureRecorder` keeps for a sequence, from one forward over all but its last token."""
     from specserve.train.data import record_features
 
-    record = record_features(target, ids[:-1], default_aux_layer_ids(target.model.spec.num_layers))
+    record = record_features(target, ids[:-1], default_aux_layer_ids(target.model.spec.num_layers), labels=False)
     return torch.cat([record["aux"], record["final"]], -1)

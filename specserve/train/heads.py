@@ -8,7 +8,8 @@ EAGLE-3 learns by cross-entropy over its draft vocabulary (chosen from the data'
 cross-entropy through the target's lm_head plus regression onto the target's next feature (EAGLE's losses), the
 cross-entropy over the lm_head rows of its draft vocabulary where it has one: the rows it is scored by at inference
 (a 262k-row lm_head over every window position would be most of a step's time on a CPU).
-Medusa head i reads the target's final feature at t and predicts token t + 2 + i.
+Medusa head i reads the target's final feature at t and predicts token t + 2 + i. A DFlash block drafter learns
+to fill blocks after anchors drawn in each window (`blocks.py`).
 
 Runs are deterministic given the seed (the windows of step s come from a generator seeded by (seed, s)) and
 resumable bit-exactly from the checkpoint written every `save_every` steps.
@@ -28,9 +29,11 @@ from tqdm import tqdm
 
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import soft_cap
+from specserve.speculative.dflash import new_dflash, save_dflash
 from specserve.speculative.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
 from specserve.speculative.medusa import MedusaHeads, save_medusa
 from specserve.speculative.weights import write_draft_vocab
+from specserve.train.blocks import block_loss
 from specserve.train.data import atomic_save
 from specserve.train.draft import draft_loss, new_draft_model, save_draft_model
 from specserve.train.vocab import pick_draft_vocab, subset_labels
@@ -41,7 +44,7 @@ STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss weight per training-time-test s
 
 @dataclass
 class TrainSettings:
-    kind: str  # eagle | eagle3 | medusa | draft
+    kind: str  # eagle | eagle3 | medusa | draft | dflash
     steps: int = 1000
     lr: float = 3e-4
     warmup: int = 50
@@ -52,7 +55,9 @@ class TrainSettings:
     draft_vocab_size: int = 16384  # the most frequent tokens scored (the vocabulary if more); EAGLE-1 at inference
     medusa_heads: int = 4
     vocab_rows_only: bool = False  # Medusa: write only the draft vocabulary's lm_head rows (the compact form)
-    draft_layers: int = 2  # draft: decoder layers kept
+    draft_layers: int = 2  # draft: decoder layers kept; dflash: the drafter's layers
+    block_size: int = 8  # dflash: the block (its first token and block_size - 1 drafted)
+    anchors: int = 16  # dflash: blocks drawn per window
     seed: int = 0
     save_every: int = 100
     weight_decay: float = 0.0
@@ -246,6 +251,12 @@ def build_module(settings: TrainSettings, target: LoadedModel, records: list[dic
             module.vocab_rows = torch.nn.ParameterList(
                 torch.nn.Parameter(head[-1].weight.detach()[vocab].clone()) for head in module.heads)
         return module
+    if settings.kind == "dflash":  # scored through those rows of the target's lm_head (draft_vocab.json)
+        module = new_dflash(spec, settings.draft_layers, settings.block_size, mask_token_id(target),
+                            target.model.embed_scale or 1.0, [i - 1 for i in aux_layer_ids] if aux_layer_ids else None,
+                            seed=settings.seed)
+        module.train_vocab = vocab
+        return module
     head = new_eagle_head(spec, settings.kind, draft_vocab_ids=vocab if settings.kind == "eagle3" else None,
                           seed=settings.seed, aux_layer_ids=aux_layer_ids)
     if settings.kind == "eagle":  # scored at inference through those rows of the target's lm_head (draft_vocab.json)
@@ -254,6 +265,15 @@ def build_module(settings: TrainSettings, target: LoadedModel, records: list[dic
         with torch.no_grad():
             head.lm_head.weight.copy_(target.model.lm_head_weight.float()[head.draft_to_target()])
     return head
+
+
+def mask_token_id(target: LoadedModel) -> int:
+    """The block drafter's mask token: the tokenizer's own mask (or unknown) token, else the last id."""
+    tokenizer = target.tokenizer
+    for token in (getattr(tokenizer, "mask_token_id", None), getattr(tokenizer, "unk_token_id", None)):
+        if token is not None and 0 <= token < target.model.spec.vocab_size:
+            return int(token)
+    return target.model.spec.vocab_size - 1
 
 
 def train(settings: TrainSettings, target: LoadedModel, records: list[dict], out_dir,
@@ -267,7 +287,7 @@ def train(settings: TrainSettings, target: LoadedModel, records: list[dict], out
     device = training_device()
     module = build_module(settings, target, records, aux_layer_ids).float().to(device).train()
     frozen = FrozenTarget(target, device, getattr(module, "train_vocab", None)) \
-        if settings.kind in ("eagle", "eagle3") else None
+        if settings.kind in ("eagle", "eagle3", "dflash") else None
     trainable = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay,
                                   betas=(0.9, 0.95))
@@ -287,6 +307,9 @@ def train(settings: TrainSettings, target: LoadedModel, records: list[dict], out
                     loss, accuracy = medusa_loss(module, batch)
                 elif settings.kind == "draft":
                     loss, accuracy = draft_loss(module, batch, module.train_vocab.to(device))
+                elif settings.kind == "dflash":
+                    anchors = torch.Generator().manual_seed(settings.seed * 1_000_003 + step * 131 + micro + 7)
+                    loss, accuracy = block_loss(module, frozen, batch, settings.anchors, anchors)
                 else:
                     loss, accuracy = eagle_loss(module, frozen, batch, settings.ttt_steps)
             (loss / settings.grad_accum).backward()
@@ -327,6 +350,8 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
     tmp = out_dir / ".writing"
     if settings.kind == "draft":
         save_draft_model(module, target, tmp)
+    elif settings.kind == "dflash":
+        save_dflash(module.to(torch.bfloat16), tmp)
     elif settings.kind == "medusa":
         with torch.no_grad():  # the trained rows back into the published full-vocabulary lm_heads
             for head, rows in zip(module.heads, module.vocab_rows):
@@ -339,7 +364,7 @@ def write_head(module, settings: TrainSettings, target: LoadedModel, out_dir: Pa
         half = module.to(torch.bfloat16)
         save_eagle(half, tmp, safetensors=True)
     # the vocabulary a draft model or an EAGLE-1 head scores at inference (Medusa's goes with its heads)
-    if settings.kind in ("draft", "eagle") and module.train_vocab.numel() < target.model.spec.vocab_size:
+    if settings.kind in ("draft", "eagle", "dflash") and module.train_vocab.numel() < target.model.spec.vocab_size:
         write_draft_vocab(tmp, module.train_vocab)
     for file in tmp.iterdir():
         os.replace(file, out_dir / file.name)

@@ -220,8 +220,8 @@ def test_a_seeded_request_s_lookup_branch_learns_from_its_own_tokens_only(loaded
     target = loaded("gemma3")
     head = save_random(target, "eagle3", tmp_path / "h")
     method = engine_for(target, "eagle3", head, 5, adaptive=True, prompt_lookup_branch=True).method
-    assert method.branch(SamplingParams(), 64).acceptance.pool is method.lookup_pool
-    assert method.branch(SamplingParams(seed=3), 64).acceptance.pool is None
+    assert method.branches.for_request(SamplingParams(), 64).acceptance.pool is method.branches.pool
+    assert method.branches.for_request(SamplingParams(seed=3), 64).acceptance.pool is None
 
 
 def test_lookup_chain_merges_into_the_tree():
