@@ -11,8 +11,6 @@ how much of a block is accepted).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +46,9 @@ def block_loss(drafter: DFlashDrafter, target, batch: dict, anchors_per_window: 
     device = tokens.device
     anchors = draw_anchors(valid.cpu(), anchors_per_window, generator).to(device)  # [b, M]
     offsets = torch.arange(size, device=device)
+    drafted = offsets.bool().repeat(anchors_per_window)[None]  # [1, M * B]: the rows after each block's anchor
     at = (anchors[..., None] + offsets).reshape(b, -1)  # [b, M * B] positions of the blocks' rows
-    block_tokens = torch.where(offsets.bool().repeat(anchors_per_window)[None], cfg.mask_token_id,
+    block_tokens = torch.where(drafted, cfg.mask_token_id,
                                tokens.gather(1, anchors).repeat_interleave(size, 1))
     embeds = F.embedding(block_tokens, target.embed_table) * cfg.input_embedding_scale
     context = drafter.context(batch["aux"], torch.arange(length, device=device)[None].expand(b, -1))
@@ -57,7 +56,7 @@ def block_loss(drafter: DFlashDrafter, target, batch: dict, anchors_per_window: 
     # row (m, j) guesses the token at a + j: the label after position a + j - 1 (j >= 1)
     source = (at - 1).clamp(max=length - 1)
     target_ids = labels.gather(1, source)
-    ok = valid.gather(1, source) & (at - 1 < length) & offsets.bool().repeat(anchors_per_window)[None]
+    ok = valid.gather(1, source) & (at - 1 < length) & drafted
     ids = target.labels(target_ids)
     ok &= ids >= 0
     weight = torch.exp(-(offsets - 1).clamp(min=0).float() / (size / 2)).repeat(anchors_per_window).to(device)
@@ -66,4 +65,4 @@ def block_loss(drafter: DFlashDrafter, target, batch: dict, anchors_per_window: 
     loss = (F.cross_entropy(logits, ids[ok], reduction="none") * weight).sum() / weight.sum().clamp(min=1e-6)
     first = (offsets == 1).repeat(anchors_per_window)[None].expand(b, -1)[ok]
     accuracy = float((logits[first].argmax(-1) == ids[ok][first]).float().mean()) if bool(first.any()) else 0.0
-    return loss, accuracy if not math.isnan(accuracy) else 0.0
+    return loss, accuracy
