@@ -54,7 +54,7 @@ def block_loss(drafter: DFlashDrafter, target, batch: dict, anchors_per_window: 
     context = drafter.context(batch["aux"], torch.arange(length, device=device)[None].expand(b, -1))
     outputs = drafter.block(embeds, at, context, block_mask(anchors, length, size))
     # row (m, j) guesses the token at a + j: the label after position a + j - 1 (j >= 1)
-    source = (at - 1).clamp(max=length - 1)
+    source = (at - 1).clamp(0, length - 1)  # an anchor at 0 has no label before it: its row is not drafted
     target_ids = labels.gather(1, source)
     ok = valid.gather(1, source) & (at - 1 < length) & drafted
     ids = target.labels(target_ids)

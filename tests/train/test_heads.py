@@ -82,3 +82,27 @@ def test_eagle1_cross_entropy_reads_its_draft_vocabulary_rows(story_data):
     torch.testing.assert_close(rows.logits(hidden), full.logits(hidden)[..., vocab])
     assert rows.labels(torch.tensor([10, 11, 200])).tolist() == [1, -100, 3]
     assert full.labels(torch.tensor([10, 11])).tolist() == [10, 11]
+
+
+def test_block_loss_takes_a_window_without_a_label_of_its_own(story_data):
+    """A window whose labels are all the prompt's (none the target's) draws its anchors anywhere, position 0
+    included: the loss is 0 there, and a window beside it still trains."""
+    from specserve.speculative.dflash import new_dflash
+    from specserve.train.blocks import block_loss
+
+    target = story_data[0]
+    spec = target.model.spec
+    drafter = new_dflash(spec, 1, 4, 0, 1.0)
+    b, length = 2, 12
+    tokens = torch.randint(1, spec.vocab_size, (b, length), generator=torch.Generator().manual_seed(0))
+    valid = torch.zeros(b, length, dtype=torch.bool)
+    batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "valid": valid,
+             "aux": torch.randn(b, length, 3 * spec.hidden_size)}
+    frozen = FrozenTarget(target, torch.device("cpu"))
+    loss, _ = block_loss(drafter, frozen, batch, 64, torch.Generator().manual_seed(0))
+    assert float(loss) == 0.0
+    valid[1, 2:] = True
+    loss, _ = block_loss(drafter, frozen, batch, 64, torch.Generator().manual_seed(0))
+    assert float(loss) > 0.0
+    loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0
