@@ -15,6 +15,7 @@ from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel, load_model
 from specserve.models.transformer import GreedyChoices
 from specserve.speculative.base import MethodEntry, MethodOptions, Proposal, Proposer, SpecMethod
+from specserve.speculative.grammar import DraftWalk
 from specserve.speculative.ngram import common_prefix_length
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
 from specserve.speculative.weights import read_draft_vocab
@@ -87,15 +88,14 @@ class DraftModelProposer(Proposer):
             feed = feed[-1:]
         drafted: list[int] = []
         dists: list[torch.Tensor] = []
-        pushed = 0  # tokens the grammar took for this draft
         greedy = self._greedy_choices()
         step_seconds: list[float] = []  # the drafting forwards'
-        try:
+        with DraftWalk(self.grammar) as walk:
             for _ in range(max_len):
                 start = time.perf_counter()
                 out = self._feed(feed, greedy)
                 step_seconds.append(time.perf_counter() - start)
-                logits = out if isinstance(out, int) else self._constrained(out)
+                logits = out if isinstance(out, int) else walk.masked(out)
                 if logits is None:  # the grammar allows nothing the draft can say: the target goes on alone
                     break
                 if isinstance(logits, int):
@@ -108,28 +108,12 @@ class DraftModelProposer(Proposer):
                     dists.append(q)
                 drafted.append(token)
                 feed = [token]
-                if self.grammar is not None:
-                    if token in self.grammar.eos_ids:  # the output would end here: nothing to draft after it
-                        break
-                    self.grammar.push(token)
-                    pushed += 1
-        finally:
-            if self.grammar is not None:  # the request's grammar stays where its emitted tokens left it
-                self.grammar.pop(pushed)
+                if not walk.take(token):
+                    break
         proposal = Proposal.chain(tokens[-1], drafted, torch.stack(dists) if dists else None)
         if step_seconds:
             proposal.seconds_per_token = sum(step_seconds) / len(step_seconds)
         return proposal
-
-    def _constrained(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """A guided request drafts from the draft's logits masked by its grammar, so a sampled draft's q is the
-        masked distribution it was drawn from (rejection sampling stays exact) and no draft token is forbidden;
-        None when no allowed token is in the draft's vocabulary."""
-        if self.grammar is None:
-            return logits
-        masked = logits.masked_fill(~self.grammar.allowed(), float("-inf"))
-        return masked if bool(torch.isfinite(masked).any()) else None
-
 
 class DraftModelMethod(SpecMethod):
     name = "draft_target"

@@ -154,20 +154,44 @@ class HeadAttention(nn.Module):
         self.v_proj = Linear(input_size, config.num_kv_heads * hd, bias=False)
         self.o_proj = Linear(config.num_heads * hd, config.hidden_size, bias=False)
 
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, in] -> rotated queries [..., heads, T, hd], rotated keys and values [..., kv_heads, T, hd]."""
+        *lead, t, _ = x.shape
+        q = self.q_proj(x).view(*lead, t, self.num_heads, self.head_dim).transpose(-2, -3)
+        k = self.k_proj(x).view(*lead, t, self.num_kv_heads, self.head_dim).transpose(-2, -3)
+        v = self.v_proj(x).view(*lead, t, self.num_kv_heads, self.head_dim).transpose(-2, -3)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
     def forward(self, x, cos, sin, cache: "HeadCache | None", layer: int, slots, mask) -> torch.Tensor:
         """x [T, in]; cos/sin [T, hd]; mask [T, S] over the cache's first S slots after writing `slots`
         (without a cache: [T, T] over x itself)."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, slots, k, v, mask.shape[-1])
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
         return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+    def over_steps(self, x, cos, sin, past: list) -> torch.Tensor:
+        """Training-time test: x [B, T, in] at one step; position t attends to the first step's positions <= t
+        (causal) and to its own position in each later step, whose keys and values `past` holds (this step's
+        are appended)."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        past.append((k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
+        scale = self.head_dim ** -0.5
+        k0, v0 = past[0]
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in past[1:]]
+        probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+        out = probs[..., :t] @ v0
+        for i, (_, vi) in enumerate(past[1:]):
+            out = out + probs[..., t + i: t + i + 1] * vi
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,13 +228,18 @@ class HeadLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, gemma=False)
 
     def forward(self, x, embeds, cos, sin, cache, layer, slots, mask) -> torch.Tensor:
-        residual = x
-        if self.fused:
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
-        elif hasattr(self, "input_layernorm"):
-            x = self.input_layernorm(x)
-        x = residual + self.self_attn(x, cos, sin, cache, layer, slots, mask)
+        x = x + self.self_attn(self.attention_input(x, embeds), cos, sin, cache, layer, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def over_steps(self, x, embeds, cos, sin, past: list) -> torch.Tensor:
+        """The layer over [B, T] positions at one training-time-test step (HeadAttention.over_steps)."""
+        x = x + self.self_attn.over_steps(self.attention_input(x, embeds), cos, sin, past)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attention_input(self, x, embeds) -> torch.Tensor:
+        if self.fused:
+            return torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
+        return self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
 
 
 class EagleHead(nn.Module):

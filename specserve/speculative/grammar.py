@@ -255,6 +255,43 @@ def has_distribution(draft_probs, node: int) -> bool:
     return draft_probs is not None and node < len(draft_probs) and draft_probs[node] is not None
 
 
+class DraftWalk:
+    """A model drafter's chain under a guided request's grammar (None: no grammar, everything passes): each
+    position drafts from its logits masked by what the grammar allows after the tokens drafted before it, so no
+    draft token is forbidden and a sampled q is the distribution it was drawn from. On exit the grammar is rolled
+    back to where the request's emitted tokens left it."""
+
+    def __init__(self, grammar: TokenGrammar | None):
+        self.grammar = grammar
+        self.pushed = 0
+
+    def __enter__(self) -> "DraftWalk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.grammar is not None:
+            self.grammar.pop(self.pushed)
+
+    def masked(self, logits: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The next position's logits [V'] (`vocab_ids`: the target ids of their rows, None: all) masked by the
+        grammar; None when it allows none of them."""
+        if self.grammar is None:
+            return logits
+        allowed = self.grammar.allowed()
+        masked = logits.masked_fill(~(allowed if vocab_ids is None else allowed[vocab_ids]), float("-inf"))
+        return masked if bool(torch.isfinite(masked).any()) else None
+
+    def take(self, token: int) -> bool:
+        """Move the grammar by a drafted token; False where it ends the output (nothing to draft after it)."""
+        if self.grammar is None:
+            return True
+        if token in self.grammar.eos_ids:
+            return False
+        self.grammar.push(token)
+        self.pushed += 1
+        return True
+
+
 def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     """The tree of the kept nodes (a parent kept before each child), renumbered in the same order."""
     if tree.is_chain:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from specserve.models.loader import LoadedModel
 from specserve.models.transformer import soft_cap
 from specserve.speculative.dflash import new_dflash, save_dflash
-from specserve.speculative.eagle import EagleHead, HeadLayer, new_eagle_head, rope, save_eagle
+from specserve.speculative.eagle import EagleHead, new_eagle_head, save_eagle
 from specserve.speculative.medusa import MedusaHeads, save_medusa
 from specserve.speculative.weights import write_draft_vocab
 from specserve.train.blocks import block_loss
@@ -92,36 +92,6 @@ def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return F.pad(x[:, by:], pad, value=fill)
 
 
-def layer_train(layer: HeadLayer, x, embeds, cos, sin, past: list) -> torch.Tensor:
-    """One head layer over [B, T] positions for one training-time-test step; `past` holds this layer's keys and
-    values of the earlier steps (seen at the same position only), and gets this step's appended."""
-    residual = x
-    if layer.fused:
-        h = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(x)], dim=-1)
-    else:
-        h = layer.input_layernorm(x) if hasattr(layer, "input_layernorm") else x
-    attn = layer.self_attn
-    b, t, _ = h.shape
-    q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
-    groups = attn.num_heads // attn.num_kv_heads
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    past.append((k, v))
-    scale = attn.head_dim ** -0.5
-    k0, v0 = past[0]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in past[1:]]
-    probs = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
-    out = probs[..., :t] @ v0
-    for i, (_, vi) in enumerate(past[1:]):
-        out = out + probs[..., t + i: t + i + 1] * vi
-    x = residual + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
 def eagle_step_outputs(head: EagleHead, embed_table: torch.Tensor, batch: dict, steps: int) -> list[torch.Tensor]:
     """The head's outputs [B, T, h] for training-time-test steps 0..steps-1."""
     tokens = batch["tokens"]
@@ -138,7 +108,7 @@ def eagle_step_outputs(head: EagleHead, embed_table: torch.Tensor, batch: dict, 
         else:
             x = head.fc(torch.cat([embeds, x_prev], -1))
         for layer, past in zip(head.decoder_layers, pasts):
-            x = layer_train(layer, x, embeds, cos.to(x.dtype), sin.to(x.dtype), past)
+            x = layer.over_steps(x, embeds, cos.to(x.dtype), sin.to(x.dtype), past)
         outputs.append(x)
         x_prev = x
     return outputs
