@@ -1,11 +1,11 @@
-"""A lookup chain as a branch of a model's draft tree: `eagle3+ngram`, `eagle3+suffix`.
+"""A lookup chain as a branch of a model's draft tree: `eagle3+ngram`, `eagle3+suffix`, `dflash+ngram`.
 
 The method holds the branch's source (`Branches`: prompt lookup's n-gram bounds, or a suffix method) and its
 acceptance pooled over requests; each request's proposer (`BranchedProposer`) merges the branch's chain into the
 drafted tree, where the draft's own nodes with the same tokens are shared and the rest hangs below them, scored by
 the chain's measured acceptance by position (`lookup_branch.py`) so that the budget (`tree_budget.py`) weighs it
-against the model's nodes. Both are deterministic candidates: verification stays lossless. EAGLE's trees take it
-today; it stands apart from them so that another model drafter can take the same branch.
+against the model's nodes. Both are deterministic candidates: verification stays lossless. EAGLE's trees and
+DFlash's blocks take it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # NAME+
 # to `ngram` alone: docs/design-notes.md); the budget and the draft gate keep the model's own part from going
 # deeper than it pays
 COMBINED_DRAFT_CAP = NGRAM.adaptive_draft_cap
-OWNER = "EAGLE trees (decoding_type: Eagle or Eagle3)"
+OWNER = "EAGLE trees and DFlash blocks (decoding_type: Eagle, Eagle3 or DFlash)"
 
 
 @dataclass
@@ -55,7 +55,7 @@ class BranchOptions(MethodOptions):
         if self.lookup_branch:
             check_lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
         if self.lookup_branch and self.suffix_branch:
-            raise ConfigError("prompt_lookup_branch and suffix_branch: an EAGLE tree takes one lookup branch")
+            raise ConfigError("prompt_lookup_branch and suffix_branch: a draft takes one lookup branch")
 
     @property
     def label(self) -> str:

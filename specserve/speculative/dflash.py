@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,17 +137,25 @@ class BlockAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        """x [b, Q, h] (normed block inputs), cos/sin [b or 1, Q, hd]; the context's keys/values [b, kv, S, hd];
-        mask [b, Q, S + Q] (True: visible) or None (everything visible)."""
+    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
+        """x [b, Q, h] (normed block inputs), cos/sin [b or 1, Q, hd]; `context`: the context's (keys, values)
+        [b, kv, S, hd], or a ContextCache's `Slots`, after whose S cached tokens the block's own keys and values
+        are written (the next injection overwrites them); mask [b, Q, S + Q] (True: visible) or None (all)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
         q = rope(q, cos[:, None], sin[:, None])
         k, v = self.keys_values(x, cos[:, None], sin[:, None])
-        k, v = torch.cat([context_k, k], 2), torch.cat([context_v, v], 2)
+        if isinstance(context, Slots):
+            end = context.length + t
+            context.keys[:, :, context.length: end], context.values[:, :, context.length: end] = k, v
+            k, v = context.keys[:, :, :end], context.values[:, :, :end]
+        else:
+            k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
+        # the query heads sharing a key head attend as one taller query: no copies of the keys and values
         groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None])
+        q = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
+        mask = None if mask is None else mask.repeat(1, groups, 1)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(b, self.num_heads, t, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -158,8 +167,8 @@ class BlockLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=False)
 
-    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+    def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,21 +202,30 @@ class DFlashDrafter(nn.Module):
 
     def block(self, embeds: torch.Tensor, positions: torch.Tensor, context: list, mask=None) -> torch.Tensor:
         """embeds [b, Q, h] of the block's tokens at `positions` [b, Q], over `context` (per layer (keys,
-        values)), visible as `mask` [b, Q, S + Q] allows (None: all) -> normed outputs [b, Q, h]."""
+        values), or `Slots`), visible as `mask` [b, Q, S + Q] allows (None: all) -> normed outputs [b, Q, h]."""
         x = embeds.to(self.norm.weight.dtype)
         cos, sin = self.rotary(positions)
-        for layer, (keys, values) in zip(self.layers, context):
-            x = layer(x, cos, sin, keys, values, mask)
+        for layer, layer_context in zip(self.layers, context):
+            x = layer(x, cos, sin, layer_context, mask)
         return self.norm(x)
 
 
+class Slots(NamedTuple):
+    """One layer's cache storage [1, kv_heads, capacity, head_dim]: `length` tokens cached, free slots after."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+
 class ContextCache:
-    """The drafter's keys and values of one sequence's committed tokens: [kv_heads, capacity, head_dim] per layer."""
+    """The drafter's keys and values of one sequence's committed tokens: [kv_heads, capacity, head_dim] per layer,
+    with a block's room beyond the capacity for the block's own keys and values."""
 
     def __init__(self, drafter: DFlashDrafter, capacity: int):
         cfg = drafter.config
         dtype = drafter.norm.weight.dtype
-        self.keys = [torch.zeros(1, cfg.num_kv_heads, capacity, cfg.head_dim, dtype=dtype) for _ in drafter.layers]
+        shape = (1, cfg.num_kv_heads, capacity + cfg.block_size, cfg.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in drafter.layers]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.length = 0
 
@@ -221,6 +239,10 @@ class ContextCache:
 
     def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in zip(self.keys, self.values)]
+
+    def slots(self) -> list[Slots]:
+        """Per layer the storage and the cached length, for a block to attend without copying the context."""
+        return [Slots(k, v, self.length) for k, v in zip(self.keys, self.values)]
 
 
 def save_dflash(drafter: DFlashDrafter, path) -> Path:

@@ -185,6 +185,31 @@ def test_greedy_equals_plain_on_the_kernels(checkpoint, tmp_path, vocabulary, qu
         assert set(proposer.propose(tokens, 4).tokens) <= set(ids.tolist())
 
 
+def test_the_kernel_block_computes_the_drafter_block(checkpoint):
+    """The block on the kernels (one LayerStack call over the context cache) gives the PyTorch block's outputs,
+    within bf16 rounding, and leaves the cached context as it was."""
+    from specserve.speculative.dflash import ContextCache
+    from specserve.speculative.dflash_kernels import KernelBlock, usable
+
+    target = load_model(checkpoint("qwen3"), dtype=torch.bfloat16)
+    spec = target.model.spec
+    drafter = new_dflash(spec, 2, 5, 0, 1.0, std=0.3).to(torch.bfloat16).eval()
+    if not usable(drafter):
+        pytest.skip("no CPU kernels here")
+    cache = ContextCache(drafter, 32)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 9, 3 * spec.hidden_size, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        cache.append(drafter.context(features, torch.arange(9)[None]))
+        context = [(k.clone(), v.clone()) for k, v in cache.view()]
+        embeds = torch.randn(5, spec.hidden_size, generator=generator).to(torch.bfloat16)
+        positions = torch.arange(9, 14)
+        expected = drafter.block(embeds[None], positions[None], context)[0]
+        got = KernelBlock(drafter)(embeds, *drafter.rotary(positions), cache)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.05, rtol=0.05)
+    assert all(torch.equal(k, kept) for (k, _), (kept, _) in zip(cache.view(), context))
+
+
 # ---- a trained drafter ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -229,6 +254,23 @@ def test_batched_equals_alone(stories):
     assert [batched[i].token_ids for i in range(6)] == [r.token_ids for r in alone]
 
 
+@pytest.mark.parametrize("branch,label", [("prompt_lookup_branch", "dflash+ngram"),
+                                          ("suffix_branch", "dflash+suffix")])
+def test_a_lookup_branch_joins_the_block_and_stays_exact(stories, monkeypatch, branch, label):
+    """With a lookup branch the block's chain and the branch's are one tree, cut by the measured costs; on prompts
+    that repeat themselves the branch has chains to add, and the output is plain decoding's."""
+    from specserve.speculative.dflash_draft import DFlashProposer
+
+    target, path = stories
+    engine = engine_for(target, path, 4, adaptive=True, **{branch: True})
+    assert engine.method.name == label
+    merged = []
+    with_branch = DFlashProposer._with_branch
+    monkeypatch.setattr(DFlashProposer, "_with_branch", lambda self, *a: merged.append(1) or with_branch(self, *a))
+    assert_drafts_and_equals_plain(engine, target, [f"{p} {p}" for p in STORY_HELD_OUT], 40)
+    assert merged
+
+
 def test_context_cache_follows_the_committed_tokens(stories):
     """After a generation the drafter's cache holds what injecting the committed tokens' features at once gives."""
     target, path = stories
@@ -258,18 +300,32 @@ def test_context_cache_follows_the_committed_tokens(stories):
     torch.testing.assert_close(proposer.cache.view()[0][0], keys, atol=1e-4, rtol=1e-4)
 
 
-def dflash_statistics(stories, samples: int = 2000):
+def dflash_statistics(stories, samples: int = 2000, prompt: str = STORY_PROMPTS[0], **settings):
     target, path = stories
-    engine = engine_for(target, path, 2)
-    prompt_ids = engine.encode(STORY_PROMPTS[0])  # a training prompt: the drafts land in the support
+    engine = engine_for(target, path, 2, **settings)
+    prompt_ids = engine.encode(prompt)  # a training prompt: the drafts land in the support
     # a high temperature flattens the target, so drafts are often rejected and residuals resampled
     params = SamplingParams(temperature=3.0, top_k=2, max_tokens=3, ignore_eos=True)
     return seeded_outputs(engine, prompt_ids, params, samples), exact_joint(target, prompt_ids, params, 3)
 
 
 def test_sampling_keeps_target_distribution(stories):
+    """Sampled blocks: each position drawn from its q."""
     counts, expected = dflash_statistics(stories)
     assert follows(counts, expected)
+
+
+def test_sampling_with_a_lookup_branch_keeps_target_distribution(stories, monkeypatch):
+    """With a branch: trees of both chains' deterministic candidates (the prompt repeats, so the branch has chains)."""
+    from specserve.speculative.dflash_draft import DFlashProposer
+
+    merged = []
+    with_branch = DFlashProposer._with_branch
+    monkeypatch.setattr(DFlashProposer, "_with_branch", lambda self, *a: merged.append(1) or with_branch(self, *a))
+    prompt = f"{STORY_PROMPTS[0]}, {STORY_PROMPTS[0]}"
+    counts, expected = dflash_statistics(stories, prompt=prompt, prompt_lookup_branch=True)
+    assert follows(counts, expected)
+    assert len(merged) > 1000
 
 
 def test_broken_verifier_is_caught(stories, monkeypatch):
