@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from specserve.checks import ConfigError, flag
 from specserve.speculative.acceptance import AcceptanceByEvidence
-from specserve.speculative.base import MethodOptions, Proposal, Proposer
+from specserve.speculative.base import MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
 from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
@@ -102,11 +104,29 @@ class Branches:
         return self.suffix.stats() if self.suffix is not None else {}
 
 
+class BranchedMethod(SpecMethod):
+    """A model drafter's method with its `branches` (none: Branches())."""
+
+    branches: Branches
+
+    def reset(self) -> None:
+        self.branches.reset()
+
+    def stats(self) -> dict:
+        return self.branches.stats()
+
+
 class BranchedProposer(Proposer):
-    """A model drafter's proposer with a request's branch (`lookup`, None without one) and its `budget`."""
+    """A model drafter's proposer with a request's branch (`lookup`, None without one), its `budget`, and the
+    target features of the tokens committed since its model last ran (`features`)."""
 
     budget: TreeBudget
     lookup: LookupBranch | None
+    features: list[torch.Tensor]
+
+    def observe_hidden(self, hidden: torch.Tensor) -> None:
+        self.features.append(hidden)
+        self.budget.observe(hidden.shape[0] - 1)  # rows: the root and each accepted node
 
     def request_finished(self, output: list[int]) -> None:
         if self.lookup is not None:

@@ -36,8 +36,9 @@ from torch import nn
 from specserve.checks import ConfigError
 from specserve.models.loader import LoadedModel
 from specserve.speculative import dflash_kernels, eagle_kernels
-from specserve.speculative.base import DraftKind, MethodEntry, Proposal, SpecMethod
-from specserve.speculative.branched import BRANCHES, COMBINED_DRAFT_CAP, BranchedProposer, BranchOptions, Branches
+from specserve.speculative.base import DraftKind, MethodEntry, Proposal
+from specserve.speculative.branched import (BRANCHES, COMBINED_DRAFT_CAP, BranchedMethod, BranchedProposer,
+                                            BranchOptions, Branches)
 from specserve.speculative.dflash import ContextCache, DFlashDrafter, is_dflash_dir, load_dflash
 from specserve.speculative.grammar import DraftWalk
 from specserve.models.step_costs import measured_step_costs
@@ -46,7 +47,7 @@ from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
 
-class DFlashMethod(SpecMethod):
+class DFlashMethod(BranchedMethod):
     needs_hidden_states = True
 
     def __init__(self, drafter: DFlashDrafter, target_model, draft_vocab: torch.Tensor | None = None,
@@ -88,11 +89,6 @@ class DFlashMethod(SpecMethod):
     def new_proposer(self, params: SamplingParams, generator: torch.Generator, capacity: int) -> "DFlashProposer":
         return DFlashProposer(self, params, generator, capacity)
 
-    def reset(self) -> None:
-        self.branches.reset()
-
-    def stats(self) -> dict:
-        return self.branches.stats()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embedding rows (its table may be packed: only these rows are dequantized), scaled as the
@@ -137,10 +133,6 @@ class DFlashProposer(BranchedProposer):
         self.features: list[torch.Tensor] = []  # target features of committed tokens not yet injected
         self.budget = TreeBudget(method.verify_seconds, 1, method.block_size - 1, static=False)
         self.lookup = method.branches.for_request(params, capacity)
-
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        self.features.append(hidden)
-        self.budget.observe(hidden.shape[0] - 1)  # rows: the root and each accepted token
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_len: int) -> Proposal:

@@ -38,15 +38,16 @@ from specserve.checks import ConfigError, int_at_least
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import eagle_kernels
-from specserve.speculative.base import DraftKind, MethodEntry, Proposal, Proposer, SpecMethod
-from specserve.speculative.branched import BRANCHES, COMBINED_DRAFT_CAP, BranchedProposer, BranchOptions, Branches
+from specserve.speculative.base import DraftKind, MethodEntry, Proposal, Proposer
+from specserve.speculative.branched import (BRANCHES, COMBINED_DRAFT_CAP, BranchedMethod, BranchedProposer,
+                                            BranchOptions, Branches)
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
 from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
 
-class EagleMethod(SpecMethod):
+class EagleMethod(BranchedMethod):
     needs_hidden_states = True
 
     def __init__(self, head: EagleHead, target_model, name: str, max_depth: int, top_k: int = 8,
@@ -109,11 +110,6 @@ class EagleMethod(SpecMethod):
     def new_proposer(self, params, generator, capacity) -> Proposer:
         return EagleProposer(self, capacity, params)
 
-    def reset(self) -> None:
-        self.branches.reset()
-
-    def stats(self) -> dict:
-        return self.branches.stats()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self.head
@@ -153,10 +149,6 @@ class EagleProposer(BranchedProposer):
         self.last_lm_input: torch.Tensor | None = None  # and its draft lm_head input (the root's logits)
         self.budget = TreeBudget(method.verify_seconds, method.top_k, method.total_tokens, method.choices is not None)
         self.lookup = method.branches.for_request(params, capacity)
-
-    def observe_hidden(self, hidden: torch.Tensor) -> None:
-        self.features.append(hidden)
-        self.budget.observe(hidden.shape[0] - 1)  # rows: the root and each accepted node
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_len: int) -> Proposal:

@@ -22,9 +22,9 @@ from specserve.speculative.weights import write_draft_vocab
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
 from tests.engine.test_batching import run_batched
+from tests.speculative.test_eagle import PROMPTS, assert_drafts_on_rare_probes
 from tests.speculative.test_sampling_lossless import break_the_verifier, exact_joint, follows, seeded_outputs
 
-PROMPTS = ["def fibonacci(n):", "Once upon a time", "The quick brown fox jumps over the lazy dog. The lazy"]
 LAYER_NAMES = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight", *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
                *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))}
@@ -147,18 +147,7 @@ def test_a_drafter_that_does_not_pay_stops_drafting_and_stays_exact(loaded, tmp_
 
     target = loaded("gemma3")
     engine = engine_for(target, save_random(target, tmp_path / "d"), 4, adaptive=True)
-    blocks = []
-    run_block = DFlashProposer._block
-    monkeypatch.setattr(DFlashProposer, "_block", lambda self, *a: blocks.append(1) or run_block(self, *a))
-    steps = []
-    for prompt in PROMPTS * 2:
-        params = SamplingParams(max_tokens=48)
-        blocks.clear()
-        got = engine.generate(prompt, params)
-        assert got.token_ids == Engine(target).generate(prompt, params).token_ids
-        steps.append((len(blocks), got.metrics.target_forwards))
-    ran, total = map(sum, zip(*steps[3:]))  # once the first requests have taught the pool
-    assert ran <= 0.2 * total, steps
+    assert_drafts_on_rare_probes(engine, target, monkeypatch, DFlashProposer, "_block")
 
 
 @pytest.mark.parametrize("vocabulary,quantization", [(False, "int4"), (True, "int4"), (True, "int8"),

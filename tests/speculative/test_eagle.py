@@ -159,17 +159,23 @@ def test_a_head_that_does_not_pay_stops_drafting_and_stays_exact(loaded, tmp_pat
     name, _, branch = method.partition("+")
     settings = {"prompt_lookup_branch": True} if branch else {}
     engine = engine_for(target, name, save_random(target, kind, tmp_path / "h"), 5, adaptive=True, **settings)
-    head_steps = []
-    grow = EagleProposer._grow
-    monkeypatch.setattr(EagleProposer, "_grow", lambda self, *a: head_steps.append(1) or grow(self, *a))
+    assert_drafts_on_rare_probes(engine, target, monkeypatch, EagleProposer, "_grow")
+
+
+def assert_drafts_on_rare_probes(engine, target, monkeypatch, proposer, drafting: str) -> None:
+    """Each output equals plain decoding's, and once the first requests have taught the pool the model drafts
+    (`proposer.drafting` runs) on at most a fifth of the target's forwards."""
+    calls = []
+    run = getattr(proposer, drafting)
+    monkeypatch.setattr(proposer, drafting, lambda self, *a: calls.append(1) or run(self, *a))
     steps = []
     for prompt in PROMPTS * 2:
         params = SamplingParams(max_tokens=48)
-        head_steps.clear()
+        calls.clear()
         got = engine.generate(prompt, params)
         assert got.token_ids == Engine(target).generate(prompt, params).token_ids
-        steps.append((len(head_steps), got.metrics.target_forwards))
-    ran, total = map(sum, zip(*steps[3:]))  # once the first requests have taught the pool
+        steps.append((len(calls), got.metrics.target_forwards))
+    ran, total = map(sum, zip(*steps[3:]))
     assert ran <= 0.2 * total, steps
 
 
