@@ -83,7 +83,8 @@ class ArchSpec:
     vocab_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    output_bias: bool = False  # o_proj's (Qwen3-style drafters with attention_bias; the targets here have none)
     qk_norm: bool = False
     gemma: bool = False  # (1 + w) norms, sandwich norms, scaled embeddings, gelu
     attn_scale: float = 1.0
@@ -166,6 +167,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding x * cos + rotate_half(x) * sin, in x's dtype whatever the tables' (training passes
+    fp32 ones to bf16 heads)."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")  # their frequencies depend on the longest position
 
 
@@ -213,15 +220,21 @@ class RopeTables:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ArchSpec, layer_idx: int):
+    """A family's attention: q/k/v projections of `input_size` inputs (the hidden size; EAGLE-3's midlayer takes
+    twice it), the q/k norms where the family has them, the rotation, and o_proj back to the hidden size; `linear`
+    is the projections' module type (the draft heads' run bf16 on the kernels)."""
+
+    def __init__(self, spec: ArchSpec, layer_idx: int, input_size: int | None = None,
+                 linear: type[nn.Linear] = nn.Linear):
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
         h, hd = spec.hidden_size, spec.head_dim
-        self.q_proj = nn.Linear(h, spec.num_heads * hd, bias=spec.attention_bias)
-        self.k_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.attention_bias)
-        self.v_proj = nn.Linear(h, spec.num_kv_heads * hd, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(spec.num_heads * hd, h, bias=False)
+        inputs = input_size or h
+        self.q_proj = linear(inputs, spec.num_heads * hd, bias=spec.attention_bias)
+        self.k_proj = linear(inputs, spec.num_kv_heads * hd, bias=spec.attention_bias)
+        self.v_proj = linear(inputs, spec.num_kv_heads * hd, bias=spec.attention_bias)
+        self.o_proj = linear(spec.num_heads * hd, h, bias=spec.output_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps, spec.gemma)
@@ -236,8 +249,9 @@ class Attention(nn.Module):
             return outputs[0].split([p.out_features for p in projections], dim=-1)
         return outputs
 
-    def forward(self, x, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
-        """Attention with PyTorch's ops (fp32 models, GPUs, CPUs without the row-invariant kernels)."""
+    def heads(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, in], cos/sin [B or 1, T, hd] -> normed, rotated queries [B, heads, T, hd], keys and values
+        [B, kv_heads, T, hd]."""
         spec = self.spec
         bsz, seq, _ = x.shape
         q, k, v = self.project(x)
@@ -248,8 +262,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def forward(self, x, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
+        """Attention with PyTorch's ops (fp32 models, GPUs, CPUs without the row-invariant kernels, draft heads):
+        x [B, T, in] at cache `slots` [B, T], mask [B or 1, 1, T, S] over the first S slots."""
+        spec = self.spec
+        bsz, seq, _ = x.shape
+        q, k, v = self.heads(x, cos, sin)
         keys, values = cache.write(self.layer_idx, slots, k, v, mask.shape[-1])
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=spec.attn_scale,
                                              enable_gqa=spec.num_kv_heads != spec.num_heads)
@@ -259,11 +279,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ArchSpec):
+    def __init__(self, spec: ArchSpec, linear: type[nn.Linear] = nn.Linear):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_proj = linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # fused weight for the kernels
         self.gate_up_quant: FusedQuantLinear | None = None
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sums down_proj's partials

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.transformer import RMSNorm
-from specserve.speculative.eagle import HeadMLP, Linear, default_aux_layer_ids, llama_rope_tables, rope
+from specserve.models.transformer import MLP, ArchSpec, Attention, RMSNorm, rotate
+from specserve.speculative.eagle import Linear, default_aux_layer_ids, llama_rope_tables
 from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -65,6 +65,15 @@ class DFlashConfig:
     hidden_act: str = "silu"
     vocab_size: int | None = None  # the target's, as the checkpoint records it
     extra: dict = field(default_factory=dict)  # other config.json keys, written back unchanged
+
+    def arch_spec(self) -> ArchSpec:
+        """The drafter's layers in the terms of the target's module types: a Qwen3 decoder's."""
+        return ArchSpec(model_type="qwen3", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                        num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, vocab_size=self.vocab_size or 0, rms_norm_eps=self.rms_norm_eps,
+                        tie_word_embeddings=False, attention_bias=self.attention_bias,
+                        output_bias=self.attention_bias, qk_norm=True, attn_scale=self.head_dim ** -0.5,
+                        layer_types=["full_attention"] * self.num_layers, hidden_act=self.hidden_act)
 
     def to_json(self) -> dict:
         return {**self.extra, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -116,35 +125,28 @@ class DFlashConfig:
             raise ValueError(f"config.json lacks or mistypes {exc} for a DFlash drafter") from None
 
 
-class BlockAttention(nn.Module):
-    """Attention of the block's positions over the injected context and the whole block."""
+class BlockAttention(Attention):
+    """The target's attention type (a Qwen3 layer's: q/k norms) with the drafter's kernel linears, attending from
+    the block's positions over the injected context and the whole block."""
 
     def __init__(self, config: DFlashConfig):
-        super().__init__()
-        hd, bias = config.head_dim, config.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = Linear(config.hidden_size, config.num_heads * hd, bias=bias)
-        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * hd, bias=bias)
-        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * hd, bias=bias)
-        self.o_proj = Linear(config.num_heads * hd, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(hd, config.rms_norm_eps, gemma=False)
-        self.k_norm = RMSNorm(hd, config.rms_norm_eps, gemma=False)
+        super().__init__(config.arch_spec(), 0, linear=Linear)
 
     def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, T, h] -> rotated keys and values [b, kv_heads, T, hd] (the context's, or the block's)."""
+        """x [b, T, h], cos/sin [b or 1, 1, T, hd] -> rotated keys and values [b, kv_heads, T, hd] (the
+        context's)."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return rope(k, cos, sin), v
+        kv, hd = self.spec.num_kv_heads, self.spec.head_dim
+        k = self.k_norm(self.k_proj(x).view(b, t, kv, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, kv, hd).transpose(1, 2)
+        return rotate(k, cos, sin), v
 
     def forward(self, x, cos, sin, context, mask) -> torch.Tensor:
         """x [b, Q, h] (normed block inputs), cos/sin [b or 1, Q, hd]; `context`: the context's (keys, values)
         [b, kv, S, hd], or a ContextCache's `Slots`, after whose S cached tokens the block's own keys and values
         are written (the next injection overwrites them); mask [b, Q, S + Q] (True: visible) or None (all)."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
-        q = rope(q, cos[:, None], sin[:, None])
-        k, v = self.keys_values(x, cos[:, None], sin[:, None])
+        q, k, v = self.heads(x, cos, sin)
         if isinstance(context, Slots):
             end = context.length + t
             context.keys[:, :, context.length: end], context.values[:, :, context.length: end] = k, v
@@ -152,18 +154,22 @@ class BlockAttention(nn.Module):
         else:
             k, v = torch.cat([context[0], k], 2), torch.cat([context[1], v], 2)
         # the query heads sharing a key head attend as one taller query: no copies of the keys and values
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, self.num_kv_heads, groups * t, self.head_dim)
+        spec = self.spec
+        groups = spec.num_heads // spec.num_kv_heads
+        q = q.reshape(b, spec.num_kv_heads, groups * t, spec.head_dim)
         mask = None if mask is None else mask.repeat(1, groups, 1)[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(b, self.num_heads, t, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.attn_scale)
+        out = out.view(b, spec.num_heads, t, spec.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class BlockLayer(nn.Module):
+    """A Qwen3 decoder layer of the target's module types over the block."""
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.self_attn = BlockAttention(config)
-        self.mlp = HeadMLP(config)
+        self.mlp = MLP(config.arch_spec(), linear=Linear)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=False)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=False)
 

@@ -17,7 +17,6 @@ overwrites. Drafts are proposals: the kernels' rounding changes what is proposed
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import stack_linear
@@ -54,7 +53,7 @@ class KernelBlock:
             down=stack_linear(mlp.down_proj), q_norm=norm_weight(attn.q_norm), k_norm=norm_weight(attn.k_norm),
             post_attention=norm_weight(layer.post_attention_layernorm), pre_feedforward=None, post_feedforward=None,
             next_norm=next_norm, eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, gemma=False,
-            gelu=not isinstance(mlp.act, nn.SiLU), cache_index=index, kind=0)
+            gelu=mlp.gelu, cache_index=index, kind=0)
 
     def __call__(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  cache: ContextCache) -> torch.Tensor:

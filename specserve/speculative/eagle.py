@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.models import cpu_kernels
-from specserve.models.transformer import RMSNorm, RopeTables, rotate_half
+from specserve.models.kv_cache import KVCache
+from specserve.models.transformer import MLP, ArchSpec, Attention, RMSNorm, RopeTables
 from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 TORCH_FILE = "pytorch_model.bin"
@@ -72,6 +72,14 @@ class EagleConfig:
         if self.kind == "eagle3":
             self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
             self.target_hidden_size = self.target_hidden_size or self.hidden_size
+
+    def arch_spec(self) -> ArchSpec:
+        """The head's layers in the terms of the target's module types: a Llama decoder's."""
+        return ArchSpec(model_type="llama", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                        num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                        tie_word_embeddings=False, attn_scale=self.head_dim ** -0.5,
+                        layer_types=["full_attention"] * self.num_layers, hidden_act=self.hidden_act)
 
     def to_json(self) -> dict:
         data = {**self.extra, "model_type": "llama", "hidden_size": self.hidden_size,
@@ -144,45 +152,22 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
-class HeadAttention(nn.Module):
-    def __init__(self, config: EagleConfig, input_size: int):
-        super().__init__()
-        hd = config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = Linear(input_size, config.num_heads * hd, bias=False)
-        self.k_proj = Linear(input_size, config.num_kv_heads * hd, bias=False)
-        self.v_proj = Linear(input_size, config.num_kv_heads * hd, bias=False)
-        self.o_proj = Linear(config.num_heads * hd, config.hidden_size, bias=False)
+class HeadAttention(Attention):
+    """The target's attention type (transformer.Attention: its forward over a KV cache drafts) with the head's
+    bf16 kernel linears; `over_steps` is training-time test's attention pattern."""
 
-    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., T, in] -> rotated queries [..., heads, T, hd], rotated keys and values [..., kv_heads, T, hd]."""
-        *lead, t, _ = x.shape
-        q = self.q_proj(x).view(*lead, t, self.num_heads, self.head_dim).transpose(-2, -3)
-        k = self.k_proj(x).view(*lead, t, self.num_kv_heads, self.head_dim).transpose(-2, -3)
-        v = self.v_proj(x).view(*lead, t, self.num_kv_heads, self.head_dim).transpose(-2, -3)
-        return rope(q, cos, sin), rope(k, cos, sin), v
-
-    def forward(self, x, cos, sin, cache: "HeadCache | None", layer: int, slots, mask) -> torch.Tensor:
-        """x [T, in]; cos/sin [T, hd]; mask [T, S] over the cache's first S slots after writing `slots`
-        (without a cache: [T, T] over x itself)."""
-        t = x.shape[0]
-        q, k, v = self.project(x, cos, sin)
-        if cache is not None:
-            k, v = cache.write(layer, slots, k, v, mask.shape[-1])
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
-        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+    def __init__(self, spec: ArchSpec, layer_idx: int, input_size: int):
+        super().__init__(spec, layer_idx, input_size, linear=Linear)
 
     def over_steps(self, x, cos, sin, past: list) -> torch.Tensor:
-        """Training-time test: x [B, T, in] at one step; position t attends to the first step's positions <= t
-        (causal) and to its own position in each later step, whose keys and values `past` holds (this step's
-        are appended)."""
+        """Training-time test: x [B, T, in] at one step, cos/sin [T, hd]; position t attends to the first step's
+        positions <= t (causal) and to its own position in each later step, whose keys and values `past` holds
+        (this step's are appended)."""
         b, t, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
-        groups = self.num_heads // self.num_kv_heads
+        q, k, v = self.heads(x, cos[None], sin[None])
+        groups = self.spec.num_heads // self.spec.num_kv_heads
         past.append((k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)))
-        scale = self.head_dim ** -0.5
+        scale = self.spec.attn_scale
         k0, v0 = past[0]
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
@@ -194,41 +179,25 @@ class HeadAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The target's rotation (transformer.py), in x's dtype whatever the tables' (training passes fp32 ones)."""
-    return (x * cos + rotate_half(x) * sin).to(x.dtype)
-
-
-class HeadMLP(nn.Module):
-    def __init__(self, config: EagleConfig):
-        super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = nn.SiLU() if config.hidden_act == "silu" else nn.GELU(approximate="tanh")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class HeadLayer(nn.Module):
-    """A Llama decoder layer; `fused=True` is EAGLE-3's midlayer (norms on embedding and feature, 2h attention
-    input); `input_norm=False` is EAGLE-1's first layer."""
+    """A Llama decoder layer of the target's module types; `fused=True` is EAGLE-3's midlayer (norms on embedding
+    and feature, 2h attention input); `input_norm=False` is EAGLE-1's first layer."""
 
-    def __init__(self, config: EagleConfig, fused: bool = False, input_norm: bool = True):
+    def __init__(self, config: EagleConfig, layer_idx: int = 0, fused: bool = False, input_norm: bool = True):
         super().__init__()
-        h = config.hidden_size
+        spec, h = config.arch_spec(), config.hidden_size
         self.fused = fused
-        self.self_attn = HeadAttention(config, 2 * h if fused else h)
-        self.mlp = HeadMLP(config)
+        self.self_attn = HeadAttention(spec, layer_idx, 2 * h if fused else h)
+        self.mlp = MLP(spec, linear=Linear)
         if input_norm or fused:
             self.input_layernorm = RMSNorm(h, config.rms_norm_eps, gemma=False)
         if fused:
             self.hidden_norm = RMSNorm(h, config.rms_norm_eps, gemma=False)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps, gemma=False)
 
-    def forward(self, x, embeds, cos, sin, cache, layer, slots, mask) -> torch.Tensor:
-        x = x + self.self_attn(self.attention_input(x, embeds), cos, sin, cache, layer, slots, mask)
+    def forward(self, x, embeds, cos, sin, cache: KVCache, slots, mask) -> torch.Tensor:
+        """x, embeds [B, T, h], cos/sin [B or 1, T, hd], slots [B, T], mask [B or 1, 1, T, S]."""
+        x = x + self.self_attn(self.attention_input(x, embeds), cos, sin, cache, slots, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def over_steps(self, x, embeds, cos, sin, past: list) -> torch.Tensor:
@@ -263,7 +232,7 @@ class EagleHead(nn.Module):
                                  else torch.zeros(config.vocab_size, dtype=torch.bool))
         elif config.kind == "eagle":
             self.fc = Linear(2 * h, h, bias=config.fc_bias)
-            self.layers = nn.ModuleList(HeadLayer(config, input_norm=i > 0) for i in range(config.num_layers))
+            self.layers = nn.ModuleList(HeadLayer(config, i, input_norm=i > 0) for i in range(config.num_layers))
         else:
             raise ValueError(f"unknown EAGLE head kind {config.kind!r}")
         self._rotary = None
@@ -295,13 +264,21 @@ class EagleHead(nn.Module):
             self._rotary = llama_rope_tables(self.config)
         return self._rotary.lookup(positions.long(), "full_attention")
 
+    def new_cache(self, capacity: int) -> KVCache:
+        """Keys and values of the head's decoder layers for one sequence: a one-row KV cache."""
+        cfg = self.config
+        return KVCache(len(self.decoder_layers), 1, cfg.num_kv_heads, capacity, cfg.head_dim, self.fc.weight.dtype)
+
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                cache: "HeadCache | None" = None, slots: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """features [T, F] (target features, or the head's own previous outputs [T, h]), embeds [T, h] of the
-        next tokens, positions [T] -> the head's outputs [T, h] (pre-norm). Without a cache, causal over T."""
+        next tokens, positions [T], written at `slots` [T] of `cache` (new_cache) and attending as `mask` [T, S]
+        allows over its first S slots -> the head's outputs [T, h] (pre-norm). Without a cache, causal over T."""
         dtype = self.fc.weight.dtype
         features, embeds = features.to(dtype), embeds.to(dtype)
+        if cache is None:
+            cache, slots = self.new_cache(len(positions)), torch.arange(len(positions))
         if mask is None:
             mask = torch.ones(len(positions), len(positions), dtype=torch.bool).tril()
         cos, sin = self.rotary(positions)
@@ -309,9 +286,10 @@ class EagleHead(nn.Module):
             x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))
-        for i, layer in enumerate(self.decoder_layers):
-            x = layer(x, embeds, cos.to(dtype), sin.to(dtype), cache, i, slots, mask)
-        return x
+        x, embeds = x[None], embeds[None]
+        for layer in self.decoder_layers:
+            x = layer(x, embeds, cos.to(dtype)[None], sin.to(dtype)[None], cache, slots[None], mask[None, None])
+        return x[0]
 
     def lm_inputs(self, outputs: torch.Tensor) -> torch.Tensor:
         """What the draft logits read at the head's outputs: EAGLE-3's final norm of them, EAGLE-1's as they are."""
@@ -323,23 +301,6 @@ class EagleHead(nn.Module):
         if self.kind == "eagle3":
             return self.lm_head(lm_inputs).float()
         return target_lm_head(lm_inputs).float()
-
-
-class HeadCache:
-    """Keys and values of a head's decoder layers for one sequence: [kv_heads, capacity, head_dim] per layer."""
-
-    def __init__(self, head: EagleHead, capacity: int):
-        cfg = head.config
-        dtype = head.fc.weight.dtype
-        shape = (cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in head.decoder_layers]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in head.decoder_layers]
-        self.capacity = capacity
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upto: int):
-        self.keys[layer][:, slots] = k
-        self.values[layer][:, slots] = v
-        return self.keys[layer][:, :upto], self.values[layer][:, :upto]
 
 
 def save_eagle(head: EagleHead, path, safetensors: bool = False) -> Path:

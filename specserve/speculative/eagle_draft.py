@@ -35,6 +35,7 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError, int_at_least
+from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import eagle_kernels
@@ -42,7 +43,7 @@ from specserve.speculative.base import DraftKind, MethodEntry, Proposal, Propose
 from specserve.speculative.branched import (BRANCHES, COMBINED_DRAFT_CAP, BranchedMethod, BranchedProposer,
                                             BranchOptions, Branches)
 from specserve.speculative.choices import DEFAULT_CHOICES
-from specserve.speculative.eagle import EagleHead, HeadCache, default_aux_layer_ids, detect_kind, load_eagle, read_state
+from specserve.speculative.eagle import EagleHead, default_aux_layer_ids, detect_kind, load_eagle, read_state
 from specserve.speculative.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
@@ -116,7 +117,7 @@ class EagleMethod(BranchedMethod):
         table = head.embed_tokens if hasattr(head, "embed_tokens") else self.target.model.embed_tokens
         return table(tokens)  # the target's may be packed (QuantEmbedding): only these rows are dequantized
 
-    def run_head(self, features, embeds, positions, cache: HeadCache, slots, mask) -> tuple[torch.Tensor, ...]:
+    def run_head(self, features, embeds, positions, cache: KVCache, slots, mask) -> tuple[torch.Tensor, ...]:
         """(the head's outputs [T, h], their draft lm_head inputs) on the kernels where they run, else PyTorch."""
         if self.kernels is not None:
             return self.kernels.forward(features, embeds, positions, cache, slots, mask)
@@ -142,7 +143,7 @@ class EagleProposer(BranchedProposer):
     def __init__(self, method: EagleMethod, capacity: int, params):
         self.m = method
         head_capacity = capacity + method.expanded_nodes(method.max_depth) + 1
-        self.cache = HeadCache(method.head, head_capacity)
+        self.cache = method.head.new_cache(head_capacity)
         self.stable = 0  # pairs whose keys/values are in the head cache
         self.features: list[torch.Tensor] = []  # target features of committed tokens not yet run
         self.last_output: torch.Tensor | None = None  # the head's output at the last committed pair

@@ -30,9 +30,10 @@ from torch import nn
 from specserve.checks import ConfigError
 from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import stack_linear
+from specserve.models.kv_cache import KVCache
 from specserve.models.quant import FusedQuantLinear, QuantizationError, QuantLinear, quantize_linear
 from specserve.models.transformer import soft_cap
-from specserve.speculative.eagle import EagleHead, HeadCache
+from specserve.speculative.eagle import EagleHead
 
 
 def usable(head: EagleHead) -> bool:
@@ -142,8 +143,8 @@ class KernelHead:
             o=stack_linear(packed(attn.o_proj, quantization)), gate_up=[stack_linear(p) for p in gate_up],
             down=stack_linear(packed(mlp.down_proj, quantization)), q_norm=None, k_norm=None,
             post_attention=layer.post_attention_layernorm.weight.float().contiguous(), pre_feedforward=None,
-            post_feedforward=None, next_norm=next_norm, eps=self.eps, scale=attn.head_dim ** -0.5, gemma=False,
-            gelu=not isinstance(mlp.act, nn.SiLU), cache_index=index, kind=0)
+            post_feedforward=None, next_norm=next_norm, eps=self.eps, scale=attn.spec.attn_scale, gemma=False,
+            gelu=mlp.gelu, cache_index=index, kind=0)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """bf16 cos, sin [T, D] at `positions`, from a table grown by doubling (the head's own rotary)."""
@@ -154,7 +155,7 @@ class KernelHead:
             self._cos, self._sin = cos.to(torch.bfloat16).contiguous(), sin.to(torch.bfloat16).contiguous()
         return self._cos[positions], self._sin[positions]
 
-    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the head's outputs [T, h], the draft lm_head's inputs [T, h]) for EagleHead.forward's arguments."""
         features, embeds = features.to(torch.bfloat16), embeds.to(torch.bfloat16).contiguous()
@@ -167,7 +168,7 @@ class KernelHead:
             first = x
         cos, sin = self.rope(positions)
         normed, kept = self.stack.forward(x[None], first[None], [cos[None]], [sin[None]], [mask[None, None]],
-                                          [k[None] for k in cache.keys], [v[None] for v in cache.values],
+                                          cache.keys, cache.values,
                                           slots[None], [len(cache.keys) - 1])
         out = kept[0][0]
         return out, (normed[0] if self.kind == "eagle3" else out)

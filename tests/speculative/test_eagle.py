@@ -17,7 +17,7 @@ from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.models.quant import QuantLinear
-from specserve.speculative.eagle import EagleHead, HeadCache, load_eagle, new_eagle_head, save_eagle
+from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
 from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer
 from specserve.speculative.tree_budget import Nodes
 from specserve.speculative.eagle_kernels import KernelHead
@@ -408,14 +408,14 @@ def test_head_cache_follows_the_committed_tokens(stories):
                             output_layers=engine.hidden_layers).hidden_states
     features = torch.cat([features[i][0] for i in engine.hidden_layers], -1)
     head = engine.method.head
-    fresh = type(proposer.cache)(head, len(committed) + 1)
+    fresh = head.new_cache(len(committed) + 1)
     n = proposer.stable
     positions = torch.arange(n)
     head(features[:n], engine.method.embed(torch.tensor(committed[1: n + 1])), positions, fresh, positions,
          torch.ones(n, n, dtype=torch.bool).tril())
     assert n >= len(committed) - 8
-    torch.testing.assert_close(proposer.cache.keys[0][:, :n], fresh.keys[0][:, :n], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(proposer.cache.values[0][:, :n], fresh.values[0][:, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(proposer.cache.keys[0][:, :, :n], fresh.keys[0][:, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(proposer.cache.values[0][:, :, :n], fresh.values[0][:, :, :n], atol=1e-5, rtol=1e-4)
 
 
 def eagle_statistics(stories, samples: int = 2000, lookup: bool = False, method: str = "eagle3"):
@@ -551,13 +551,13 @@ def test_kernel_head_computes_what_the_pytorch_head_does(loaded, kind, quantizat
     results = []
     with torch.no_grad():  # inference, as drafting runs
         for run in (lambda *a: (lambda out: (out, head.lm_inputs(out)))(head(*a)), kernels.forward):
-            cache = HeadCache(head, 12)
+            cache = head.new_cache(12)
             positions = torch.arange(6)
             causal = torch.ones(6, 6, dtype=torch.bool).tril()
             out, _ = run(features, embeds[:6], positions, cache, positions, causal)
             level, lm_inputs = run(out[-3:].contiguous(), embeds[6:], torch.tensor([6, 7, 7]), cache,
                                    torch.arange(6, 9), level_mask)
-            results.append((level.float(), lm_inputs.float(), cache.keys[-1][:, :9].float()))
+            results.append((level.float(), lm_inputs.float(), cache.keys[-1][:, :, :9].float()))
     for want, got in zip(*results):
         assert (got - want).norm() <= tolerance * want.norm()
     logits = kernels.draft_logits(results[1][1].bfloat16(), lambda x: x.float() @ torch.randn(x.shape[-1], 5))
