@@ -50,28 +50,25 @@ class StepCosts:
 
     @staticmethod
     def forward_run(model, total: int, rows: int) -> Callable[[], object]:
-        """A forward of `total` new tokens over up to `rows` rows, run once (the warm-up) and returned to be timed."""
+        """A forward of `total` new tokens over up to `rows` rows, to be timed."""
         batch = min(rows, total)
         width = -(-total // batch)
         cache = KVCache.for_model(model, batch, width + 1)
         positions = torch.arange(width)[None].expand(batch, width)
         tokens = torch.zeros(batch, width, dtype=torch.long)
-        run = lambda: model(tokens, positions, cache, positions)
-        run()
-        return run
+        return lambda: model(tokens, positions, cache, positions)
 
     @staticmethod
     def head_run(model, rows: int) -> Callable[[], object]:
-        """The lm_head over `rows` rows, run once and returned to be timed."""
+        """The lm_head over `rows` rows, to be timed."""
         hidden = torch.zeros(rows, model.spec.hidden_size, dtype=model.dtype)
-        run = lambda: model.logits(hidden, model.kernels_usable)
-        run()
-        return run
+        return lambda: model.logits(hidden, model.kernels_usable)
 
     @staticmethod
     def least_disturbed(runs: list[Callable[[], object]], rounds: int = 3) -> list[float]:
         """Each run's least disturbed time over `rounds` rounds through all of them: a burst of load hits one
-        round, not every reading of one size."""
+        round, not every reading of one size, and the first round's first touches (the weights' pages, each
+        size's buffers) are slower than the later rounds, so no run needs a warm-up of its own."""
         timings = [[] for _ in runs]
         for _ in range(rounds):
             for run, times in zip(runs, timings):
