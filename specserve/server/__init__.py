@@ -14,6 +14,7 @@ Prometheus metrics.
 - repository.py  Triton model repository (model.yaml / model.json), load / unload, served names
 - metrics.py     nv_inference_* and vllm:spec_decode_* metrics (per-app registry)
 
-A request: route (triton/, openai/ or a grpc/ RPC) -> protocol parses it -> request.sampling_params -> ServerContext.submit ->
-Runner (worker thread, BatchEngine steps on the compute thread) -> RequestHandle events -> the protocol's response.
+A request: route (triton/, openai/ or a grpc/ RPC) -> protocol parses it -> request.sampling_params ->
+ServerContext.submit -> Runner (its BatchEngine steps in slices on the compute thread) -> RequestHandle events ->
+the protocol's response.
 """

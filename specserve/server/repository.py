@@ -228,7 +228,6 @@ class ModelRepository:
         self.method_settings = method_settings or {}  # operator flags for the methods that read them
         self._lock = threading.RLock()
         self._targets: dict[tuple, object] = {}
-        self._step_locks: dict[tuple, threading.Lock] = {}
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -355,14 +354,13 @@ class ModelRepository:
         key = target_key(config)
         with self._lock:
             target = self._targets.get(key)
-            step_lock = self._step_locks.setdefault(key, threading.Lock())
         if target is None:
             target = COMPUTE.run(config.model.load)
             with self._lock:
                 self._targets[key] = target
         engine = COMPUTE.run(self.engine_factory, with_method_settings(config, self.method_settings),
                              target)  # cost tables: tensor work too
-        runner = Runner(engine, source.max_queue_size, name=source.name, step_lock=step_lock,
+        runner = Runner(engine, source.max_queue_size, name=source.name,
                         max_active=source.max_batch_size or DEFAULT_MAX_ACTIVE,
                         adaptive_draft=config.speculative.adaptive_draft_len)
         return Deployment(config, engine, runner, time.perf_counter() - start)

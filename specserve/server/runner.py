@@ -1,11 +1,11 @@
-"""The asyncio side of one Engine: a FIFO queue and a worker thread that batches requests continuously.
+"""The asyncio side of one Engine: a FIFO queue, and continuous batching in slices of steps on the compute thread.
 
     handle = await runner.submit(prompt, params)   # RequestError / QueueFullError / RunnerClosedError here
     result = (await handle.collect()).result       # or: async for event in handle (StreamEvents; the last has
                                                    # .result), then await handle.aclose()
 
-The worker thread waits for work and hands the compute thread slices of steps: between `BatchEngine.step`s it
-admits queued requests into free batch rows (up to `max_active`) and hands each request its event.
+The compute thread (compute.py) runs a runner's slices of steps while it has work: between `BatchEngine.step`s
+a slice admits queued requests into free batch rows (up to `max_active`) and hands each request its event.
 `handle.cancel()` drops a queued request or stops a running one before its next step; a consumer that goes away
 (its task cancelled) cancels too.
 A front end passes a `RequestObserver` to `submit` to learn how the request ended (metrics, cancel by id).
@@ -123,7 +123,7 @@ class RequestHandle:
         self._done = False  # the consumer has seen the end (or closed the handle)
         self._delivered = False  # the consumer has received the result
         self.streaming = True  # the consumer takes events as they come; `collect` waits for the end
-        self._held: list[StreamEvent] = []  # events kept for a collecting consumer (worker thread only)
+        self._held: list[StreamEvent] = []  # events kept for a collecting consumer (compute thread only)
         self.sequence = None  # the engine's Sequence once admitted
 
     @property
@@ -138,7 +138,7 @@ class RequestHandle:
         self.runner._drop(self)
 
     def _put(self, *items: Any) -> None:
-        """Called from the worker thread (or the loop): hand items to the consumer, in one wake-up of its loop."""
+        """Called from the compute thread (or the loop): hand items to the consumer, in one wake-up of its loop."""
         try:
             self._loop.call_soon_threadsafe(self._put_now, items)
         except RuntimeError:  # the event loop is gone (server shutting down)
@@ -204,29 +204,29 @@ DEFAULT_MAX_ACTIVE = 8  # requests decoding together when the config sets no max
 
 
 class Runner:
-    """Runs one Engine's requests in a worker thread with continuous batching (up to max_active at once)."""
+    """Runs one Engine's requests with continuous batching (up to max_active at once), in slices of steps that the
+    compute thread schedules (a `compute.Stepper`)."""
 
     SLICE_SECONDS = 0.05  # steps run back to back on the compute thread before other runners get a turn
 
     def __init__(self, engine: Engine, max_queue_size: int = 64, name: str = "model",
-                 step_lock: threading.Lock | None = None, max_active: int = DEFAULT_MAX_ACTIVE,
-                 adaptive_draft: bool = True):
+                 max_active: int = DEFAULT_MAX_ACTIVE, adaptive_draft: bool = True):
         self.engine = engine
         self.adaptive_draft = adaptive_draft
         self.max_active = max(1, max_active)
         self._running_count = 0
+        self._batch: BatchEngine | None = None  # opened on the compute thread by the first slice
         self.batch_stats = None  # the BatchEngine's step statistics (batch size, draft length chosen)
         self._owners: dict[int, RequestHandle] = {}  # id(Sequence) -> handle of each admitted request
-        self._step_lock = step_lock or threading.Lock()  # shared by runners whose engines share weights
         self.name = name
         self.max_queue_size = max_queue_size
         self._queue: deque[RequestHandle] = deque()
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._closing = False
+        self._stopped = threading.Event()  # closing, and its last request over: the compute thread let it go
         self._ids = itertools.count(1)
         self.counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "rejected": 0}
-        self._thread = threading.Thread(target=self._work, name=f"runner-{name}", daemon=True)
-        self._thread.start()
+        COMPUTE.attach(self)
 
     # ---- the interface ------------------------------------------------------------------------------------------
     async def submit(self, prompt: str | list[int], params: SamplingParams,
@@ -245,7 +245,7 @@ class Runner:
     def _enqueue(self, prompt_ids: list[int], params: SamplingParams, observer: RequestObserver,
                  checked=None) -> RequestHandle:
         handle = RequestHandle(self, 0, prompt_ids, params, asyncio.get_running_loop(), observer, checked)
-        with self._cv:
+        with self._lock:
             if self._closing:
                 raise RunnerClosedError(f"model '{self.name}' is not accepting requests (unloading)")
             if len(self._queue) >= self.max_queue_size:
@@ -254,33 +254,70 @@ class Runner:
             handle.id = next(self._ids)
             self.counts["submitted"] += 1
             self._queue.append(handle)
-            self._cv.notify()
+        COMPUTE.wake()
         return handle
 
     def stats(self) -> dict:
-        with self._cv:
+        with self._lock:
             return {"queued": len(self._queue), "running": self._running_count, **self.counts}
 
     @property
     def pending(self) -> int:
-        with self._cv:
+        with self._lock:
             return len(self._queue) + self._running_count
 
     def close(self, cancel_running: bool = False, timeout: float | None = 30.0) -> None:
-        """Stop accepting requests, fail the queued ones, let (or not) the running one finish, end the thread."""
-        with self._cv:
+        """Stop accepting requests, fail the queued ones, let (or not) the running ones finish; then (up to
+        `timeout`) wait until the compute thread has let the runner go."""
+        with self._lock:
             self._closing = True
             dropped = list(self._queue)
             self._queue.clear()
-            self._cv.notify_all()
         for handle in dropped:
             handle.state = "cancelled"
             handle._put(RunnerClosedError(f"model '{self.name}' was unloaded"))
         if cancel_running:
             for handle in list(self._owners.values()):
                 handle._cancel.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        COMPUTE.wake()
+        if threading.get_ident() != COMPUTE.ident:
+            self._stopped.wait(timeout)
+
+    # ---- what the compute thread calls ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._queue or self._owners or self._closing)
+
+    def run_slice(self) -> bool:
+        """A slice of steps (False once closed with nothing left to run: the compute thread lets the runner go)."""
+        with self._lock:
+            if self._closing and not self._queue and not self._owners:
+                self._stopped.set()
+                return False
+        if self._batch is None:
+            try:
+                self._batch = self.engine.open_batch(self.max_active, adaptive_draft=self.adaptive_draft)
+            except Exception as exc:  # noqa: BLE001 - no batch, no requests: each queued one fails, the next retries
+                log.exception("runner %s: the batch engine could not be opened", self.name)
+                self._fail_queued(exc)
+                return True
+            self.batch_stats = self._batch.stats
+        try:
+            self._run_slice(self._batch)
+        except Exception as exc:  # noqa: BLE001 - a bug between steps must not stop the thread or hang requests
+            log.exception("runner %s: a slice of steps failed", self.name)
+            self._fail_all(self._batch, exc)
+        return True
+
+    def _fail_queued(self, exc: Exception) -> None:
+        with self._lock:
+            failed = list(self._queue)
+            self._queue.clear()
+            self.counts["failed"] += len(failed)
+        for handle in failed:
+            handle.state, handle.error = "failed", exc
+            handle.timing.finished = time.perf_counter()
+            handle._put(exc)
 
     # ---- internals ----------------------------------------------------------------------------------------------
     def _check(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], object]:
@@ -294,7 +331,7 @@ class Runner:
         return prompt_ids, self.engine.check_request(prompt_ids, params)
 
     def _drop(self, handle: RequestHandle) -> None:
-        with self._cv:
+        with self._lock:
             try:
                 self._queue.remove(handle)
             except ValueError:
@@ -304,31 +341,13 @@ class Runner:
         handle.timing.finished = time.perf_counter()
         handle._put(RequestCancelledError("Request cancelled by client"))
 
-    def _work(self) -> None:
-        """Continuous batching: wait for work, then hand the compute thread a slice of steps to run."""
-        batch = COMPUTE.run(self.engine.open_batch, self.max_active, adaptive_draft=self.adaptive_draft)
-        self.batch_stats = batch.stats
-        while True:
-            with self._cv:
-                while not self._queue and not self._owners and not self._closing:
-                    self._cv.wait()
-                if self._closing and not self._queue and not self._owners:
-                    return
-            try:
-                with self._step_lock:
-                    COMPUTE.run(self._run_slice, batch)
-            except Exception as exc:  # noqa: BLE001 - a bug between steps must not stop the worker or hang requests
-                log.exception("runner %s: a slice of steps failed", self.name)
-                COMPUTE.run(self._fail_all, batch, exc)
-
     def _run_slice(self, batch) -> None:
-        """On the compute thread, for up to SLICE_SECONDS (runners of other models share the thread): admit queued
-        requests into free rows between steps, run a step, deliver its events. Steps follow each other on the one
-        thread; a hand-off to this runner's thread per step would leave the compute thread idle between steps."""
+        """For up to SLICE_SECONDS (runners of other models share the thread): admit queued requests into free rows
+        between steps, run a step, deliver its events."""
         owners = self._owners
         deadline = time.perf_counter() + self.SLICE_SECONDS
         while time.perf_counter() < deadline:
-            with self._cv:
+            with self._lock:
                 admitted = []
                 while self._queue and len(owners) + len(admitted) < batch.max_batch_size:
                     admitted.append(self._queue.popleft())
@@ -369,7 +388,7 @@ class Runner:
         timing.started_ns = time.time_ns()
         handle.state = "running"
         try:
-            handle.sequence = COMPUTE.run(batch.add, handle.prompt_ids, handle.params, handle.checked)
+            handle.sequence = batch.add(handle.prompt_ids, handle.params, handle.checked)
         except Exception as exc:  # noqa: BLE001 - e.g. RequestError: delivered to this caller only
             handle.error = exc
             self._finish(handle, owners, "failed", exc)
@@ -378,7 +397,7 @@ class Runner:
 
     def _drop_cancelled(self, batch: BatchEngine, owners: dict) -> None:
         for handle in [h for h in owners.values() if h.cancelled]:
-            COMPUTE.run(batch.cancel, handle.sequence)
+            batch.cancel(handle.sequence)
             self._finish(handle, owners, "cancelled", RequestCancelledError("Request cancelled by client"))
 
     def _deliver(self, handle: RequestHandle, event: StreamEvent, owners: dict) -> None:
@@ -401,7 +420,7 @@ class Runner:
         owners.pop(id(handle.sequence), None)
         handle.timing.finished = time.perf_counter()
         handle.state = outcome
-        with self._cv:
+        with self._lock:
             self.counts[outcome] += 1
             self._running_count = len(owners)
         handle._put(*handle._held, *terminal)

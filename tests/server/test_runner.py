@@ -1,4 +1,4 @@
-"""The runner on its own: FIFO, bounded queue, cancellation (queued and running), failures don't kill the worker."""
+"""The runner on its own: FIFO, bounded queue, cancellation (queued and running), failures don't stop the others."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_runs_fifo_and_collects():
 
 
 def count_hand_offs(handle) -> list[int]:
-    """The number of items in each hand-off from the worker to the handle's event loop."""
+    """The number of items in each hand-off from the compute thread to the handle's event loop."""
     sizes, put = [], handle._put
     handle._put = lambda *items: (sizes.append(len(items)), put(*items))
     return sizes
@@ -285,3 +285,38 @@ def test_observer_hears_each_outcome_once():
         time.sleep(0.01)
     assert runner.stats()["cancelled"] == 1
     runner.close()
+
+
+def test_runners_step_on_the_compute_thread_without_threads_of_their_own():
+    """A request crosses the event loop, the tokenizer's thread and the compute thread: another runner (another
+    model) adds no thread, and both answer."""
+    async def ask(*runners):
+        handles = [await runner.submit("a", params()) for runner in runners]
+        return [(await handle.collect()).text for handle in handles]
+
+    first = Runner(FakeEngine(), name="first")
+    assert run(ask(first)) == ["xxx"]  # the compute and tokenizer threads are up
+    threads = threading.active_count()
+    second = Runner(FakeEngine(), name="second")
+    assert run(ask(first, second)) == ["xxx", "xxx"]
+    assert threading.active_count() == threads
+    for runner in (first, second):
+        runner.close()
+
+
+def test_a_batch_that_cannot_be_opened_fails_the_queued_requests():
+    class NoBatch(FakeEngine):
+        def open_batch(self, max_active: int, adaptive_draft: bool = True):
+            raise RuntimeError("no memory for the batch")
+
+    runner = Runner(NoBatch())
+
+    async def main():
+        handle = await runner.submit("a", params())
+        with pytest.raises(RuntimeError, match="no memory"):
+            await handle.collect()
+
+    run(main())
+    assert runner.stats()["failed"] == 1
+    runner.close(timeout=5)
+    assert runner._stopped.is_set()  # the compute thread let it go
