@@ -24,7 +24,8 @@ from torch import nn
 from specserve.models import cpu_kernels
 from specserve.models.kernel_forward import MAX_KERNEL_TOKENS, kernel_plan
 from specserve.models.kv_cache import KVCache
-from specserve.models.quant import FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear, screen_argmax
+from specserve.models.quant import (BLOCK, FusedQuantLinear, PackedWeight, QuantEmbedding, QuantLinear, quantize_dense,
+                                    screen_argmax)
 from specserve.models.screen_choice import ScreenChoice
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -386,6 +387,7 @@ class CausalLM(nn.Module):
         self._kernels_usable: bool | None = None
         self.vocab_subset: torch.Tensor | None = None  # a draft's vocabulary (see restrict_vocab)
         self._subset_weight: torch.Tensor | None = None
+        self._subset_packed: PackedWeight | None = None  # a packed lm_head's subset rows, packed again
         # tensor parallelism (specserve/parallel/shard.py): this rank's vocabulary slice of the lm_head, and the
         # function joining the slices' logits (the full logits on rank 0, None on the other ranks)
         self.lm_head_shard: nn.Module | None = None
@@ -394,15 +396,18 @@ class CausalLM(nn.Module):
     def restrict_vocab(self, token_ids: torch.Tensor | None) -> None:
         """As a draft model only: compute logits for these tokens alone (the rest get -inf). With a large
         vocabulary the lm_head costs more than a small draft's layers; drafts stay guesses, so verification
-        remains exact (and sampling too: the draft's q is then zero outside the subset)."""
+        remains exact (and sampling too: the draft's q is then zero outside the subset). A packed lm_head's rows
+        stay packed, in int8 blocks (read as bytes: a dense copy would read twice as many)."""
         if token_ids is None:
-            self.vocab_subset = self._subset_weight = None
+            self.vocab_subset = self._subset_weight = self._subset_packed = None
             return
         self.vocab_subset = torch.as_tensor(token_ids, dtype=torch.long).sort().values
         packed = self.lm_head_packed
         rows = packed.rows(self.vocab_subset).to(self.dtype) if packed is not None else \
             self.lm_head_weight.detach()[self.vocab_subset]
-        self._subset_weight = rows.contiguous()
+        self._subset_weight, self._subset_packed = rows.contiguous(), None
+        if packed is not None and rows.shape[-1] % BLOCK == 0:
+            self._subset_weight, self._subset_packed = None, PackedWeight.from_codes(quantize_dense(rows, "int8"))
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up for the row-invariant kernels (after the weights are loaded)."""
@@ -476,6 +481,8 @@ class CausalLM(nn.Module):
         packed = self.lm_head_packed
         if packed is not None and self.vocab_subset is None:
             return packed.matmul(hidden, out_fp32=True)
+        if self._subset_packed is not None:
+            return self._subset_packed.matmul(hidden, out_fp32=True)
         weight = self.lm_head_weight if self.vocab_subset is None else self._subset_weight
         if row_invariant:
             return cpu_kernels.small_linear(hidden, weight, out_fp32=True)

@@ -32,15 +32,22 @@ DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def write_draft_vocab(path: Path, token_ids: torch.Tensor) -> None:
-    """specserve's draft vocabulary next to a draft model or Medusa heads (other tools ignore the file): the
-    target token ids the draft computes logits for."""
+    """specserve's draft vocabulary next to a draft model (in its directory, or beside its GGUF file) or Medusa
+    heads (other tools ignore the file): the target token ids the draft computes logits for."""
     import json
-    (path / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in token_ids]}))
+    draft_vocab_file(path).write_text(json.dumps({"token_ids": [int(i) for i in token_ids]}))
+
+
+def draft_vocab_file(path: Path) -> Path:
+    """Where a draft's vocabulary lies: draft_vocab.json in its directory, or for a file (a GGUF draft model)
+    <its stem>.draft_vocab.json beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{DRAFT_VOCAB_FILE}") if path.is_file() else path / DRAFT_VOCAB_FILE
 
 
 def read_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
     import json
-    file = Path(path) / DRAFT_VOCAB_FILE
+    file = draft_vocab_file(path)
     if not file.exists():
         return None
     try:

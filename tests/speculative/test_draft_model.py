@@ -92,3 +92,44 @@ def test_a_model_drafter_that_stopped_drafting_probes_again_ever_more_rarely():
 
     assert drafted_steps(DraftKind.MODEL_CHAIN) == [8, 24, 56, 120]
     assert drafted_steps(DraftKind.LOOKUP) == []
+
+
+def test_a_packed_draft_s_vocabulary_stays_packed_and_the_output_stays_plain_decoding_s(checkpoint, tmp_path):
+    """A quantized draft restricted to a vocabulary scores those rows from an int8 copy of them (its dense rows'
+    logits to int8's rounding; -inf elsewhere), and drafting over it leaves the output plain decoding's."""
+    from specserve.engine.engine import Engine
+    from specserve.speculative.draft_model import DraftModelMethod
+
+    target = load_model(checkpoint("llama"), dtype=torch.bfloat16, quantization="int8")
+    draft = load_model(checkpoint("llama", seed=1), dtype=torch.bfloat16, quantization="int8").model
+    vocab = torch.arange(0, draft.spec.vocab_size, 3)
+    hidden = torch.randn(4, draft.spec.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    dense = hidden.float() @ draft.lm_head_packed.rows(vocab).T
+    draft.restrict_vocab(vocab)
+    assert draft._subset_packed is not None and draft._subset_weight is None
+    logits = draft.logits(hidden, True)
+    outside = torch.ones(draft.spec.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.isinf(logits[:, outside]).all()
+    assert (logits[:, vocab] - dense).norm() <= 0.02 * dense.norm()
+    engine = Engine(target, DraftModelMethod(draft, target.model.spec.vocab_size), 3)
+    params = SamplingParams(max_tokens=24)
+    drafted = 0
+    for prompt in ("def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The lazy"):
+        got = engine.generate(prompt, params)
+        assert got.token_ids == Engine(target).generate(prompt, params).token_ids
+        drafted += got.metrics.total_draft_tokens
+    assert drafted > 0
+    draft.restrict_vocab(None)
+
+
+def test_a_gguf_draft_s_vocabulary_lies_beside_the_file(tmp_path):
+    from specserve.speculative.weights import draft_vocab_file, read_draft_vocab, write_draft_vocab
+
+    gguf = tmp_path / "draft-q4_k_m.gguf"
+    gguf.write_bytes(b"")
+    assert draft_vocab_file(gguf) == tmp_path / "draft-q4_k_m.draft_vocab.json"
+    assert draft_vocab_file(tmp_path) == tmp_path / "draft_vocab.json"
+    assert read_draft_vocab(gguf, 100) is None
+    write_draft_vocab(gguf, torch.tensor([9, 3, 5]))
+    assert read_draft_vocab(gguf, 100).tolist() == [9, 3, 5]
