@@ -25,7 +25,7 @@ from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.weights import draft_vocab_file, write_draft_vocab
-from specserve.train.vocab import pick_draft_vocab
+from specserve.train.vocab import most_frequent
 
 PROMPTS = Path(__file__).resolve().parent.parent / "data" / "prompts"
 
@@ -51,7 +51,7 @@ def main() -> None:
     for text in tqdm(chat_texts(tokenizer, texts[:args.answers]), desc="answers"):
         ids.append(torch.tensor(engine.generate(text, params).token_ids))
     counted = torch.cat(ids)
-    vocab = pick_draft_vocab([{"tokens": counted, "labels": counted[:0]}], vocab_size, args.size)
+    vocab = most_frequent(counted, vocab_size, args.size)
     special = torch.tensor([i for i in tokenizer.all_special_ids if i < vocab_size], dtype=torch.long)
     vocab = torch.unique(torch.cat([vocab, special]))
     write_draft_vocab(args.model, vocab)

@@ -403,11 +403,15 @@ class CausalLM(nn.Module):
             return
         self.vocab_subset = torch.as_tensor(token_ids, dtype=torch.long).sort().values
         packed = self.lm_head_packed
-        rows = packed.rows(self.vocab_subset).to(self.dtype) if packed is not None else \
-            self.lm_head_weight.detach()[self.vocab_subset]
-        self._subset_weight, self._subset_packed = rows.contiguous(), None
-        if packed is not None and rows.shape[-1] % BLOCK == 0:
-            self._subset_weight, self._subset_packed = None, PackedWeight.from_codes(quantize_dense(rows, "int8"))
+        self._subset_weight = self._subset_packed = None
+        if packed is None:
+            self._subset_weight = self.lm_head_weight.detach()[self.vocab_subset].contiguous()
+            return
+        rows = packed.rows(self.vocab_subset)  # fp32: quantized again from the exact rows
+        if rows.shape[-1] % BLOCK == 0:
+            self._subset_packed = PackedWeight.from_codes(quantize_dense(rows, "int8"))
+        else:
+            self._subset_weight = rows.to(self.dtype).contiguous()
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up for the row-invariant kernels (after the weights are loaded)."""

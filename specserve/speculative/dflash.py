@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.transformer import MLP, ArchSpec, Attention, RMSNorm, rotate
-from specserve.speculative.eagle import Linear, default_aux_layer_ids, llama_rope_tables
+from specserve.speculative.eagle import Linear, default_aux_layer_ids, draft_layer_spec, llama_rope_tables
 from specserve.speculative.weights import check_layout, read_weights, write_weights
 
 SAFETENSORS_FILE = "model.safetensors"
@@ -68,12 +68,8 @@ class DFlashConfig:
 
     def arch_spec(self) -> ArchSpec:
         """The drafter's layers in the terms of the target's module types: a Qwen3 decoder's."""
-        return ArchSpec(model_type="qwen3", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                        num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, vocab_size=self.vocab_size or 0, rms_norm_eps=self.rms_norm_eps,
-                        tie_word_embeddings=False, attention_bias=self.attention_bias,
-                        output_bias=self.attention_bias, qk_norm=True, attn_scale=self.head_dim ** -0.5,
-                        layer_types=["full_attention"] * self.num_layers, hidden_act=self.hidden_act)
+        return draft_layer_spec(self, "qwen3", self.vocab_size or 0, attention_bias=self.attention_bias,
+                                output_bias=self.attention_bias, qk_norm=True)
 
     def to_json(self) -> dict:
         return {**self.extra, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",

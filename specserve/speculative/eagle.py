@@ -75,11 +75,7 @@ class EagleConfig:
 
     def arch_spec(self) -> ArchSpec:
         """The head's layers in the terms of the target's module types: a Llama decoder's."""
-        return ArchSpec(model_type="llama", hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                        num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-                        tie_word_embeddings=False, attn_scale=self.head_dim ** -0.5,
-                        layer_types=["full_attention"] * self.num_layers, hidden_act=self.hidden_act)
+        return draft_layer_spec(self, "llama", self.vocab_size)
 
     def to_json(self) -> dict:
         data = {**self.extra, "model_type": "llama", "hidden_size": self.hidden_size,
@@ -286,9 +282,9 @@ class EagleHead(nn.Module):
             x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))
-        x, embeds = x[None], embeds[None]
+        x, embeds, cos, sin = x[None], embeds[None], cos.to(dtype)[None], sin.to(dtype)[None]
         for layer in self.decoder_layers:
-            x = layer(x, embeds, cos.to(dtype)[None], sin.to(dtype)[None], cache, slots[None], mask[None, None])
+            x = layer(x, embeds, cos, sin, cache, slots[None], mask[None, None])
         return x[0]
 
     def lm_inputs(self, outputs: torch.Tensor) -> torch.Tensor:
@@ -392,6 +388,17 @@ def new_eagle_head(target_spec, kind: str, draft_vocab_ids: torch.Tensor | None 
     if kind == "eagle3" and draft_vocab_ids is not None:
         head.set_draft_vocab(draft_vocab_ids)
     return head
+
+
+def draft_layer_spec(config, model_type: str, vocab_size: int, **family) -> ArchSpec:
+    """The ArchSpec of a draft's full-attention decoder layers (EAGLE heads, DFlash drafters) from its config's
+    shape fields; `family`: the rest (q/k norms, biases)."""
+    return ArchSpec(model_type=model_type, hidden_size=config.hidden_size,
+                    intermediate_size=config.intermediate_size, num_layers=config.num_layers,
+                    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                    vocab_size=vocab_size, rms_norm_eps=config.rms_norm_eps, tie_word_embeddings=False,
+                    attn_scale=config.head_dim ** -0.5, layer_types=["full_attention"] * config.num_layers,
+                    hidden_act=config.hidden_act, **family)
 
 
 def llama_rope_tables(config) -> RopeTables:

@@ -8,7 +8,11 @@ import torch
 
 def pick_draft_vocab(records: list[dict], vocab_size: int, size: int) -> torch.Tensor:
     """The `size` most frequent target tokens in the data (labels and text), ties by id; sorted ids."""
-    ids = torch.cat([t for r in records for t in (r["labels"], r["tokens"])])
+    return most_frequent(torch.cat([t for r in records for t in (r["labels"], r["tokens"])]), vocab_size, size)
+
+
+def most_frequent(ids: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent of `ids` below `vocab_size`, ties (unseen ids too) by id; sorted ids."""
     counts = torch.bincount(ids[ids < vocab_size], minlength=vocab_size)
     order = torch.sort(-counts, stable=True).indices  # stable: ties keep id order
     return torch.sort(order[:min(size, vocab_size)]).values
