@@ -13,7 +13,7 @@ run the variant SPECSERVE_KERNELS picks (the fastest by default).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
-`forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows after 200 cached
+`forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows (`--rows`) after 200 cached
 tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head alone at 1,
 5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits
 of a 64-token forward checked bit-identical. The other build must read this checkout's packed layout (same
@@ -128,7 +128,11 @@ def attention_cases(other, this, rounds: int) -> None:
     compare(runs, lambda name: current.update(kernels=other if name == "other" else this), rounds, calls=20)
 
 
-def forward_cases(other, this, rounds: int, model_name: str | None) -> None:
+def row_counts(text: str) -> tuple[int, ...]:
+    return tuple(int(m) for m in text.split(","))
+
+
+def forward_cases(other, this, rounds: int, model_name: str | None, rows: tuple[int, ...] = (1, 5, 8, 16)) -> None:
     from specserve.models import quant
     from specserve.models.kernel_forward import kernel_plan
     from specserve.models.kv_cache import KVCache
@@ -153,7 +157,7 @@ def forward_cases(other, this, rounds: int, model_name: str | None) -> None:
         return lambda: model(tokens, at, cache, at, logits_rows=None if logits else no_logits)
 
     cases = {f"forward {rows} rows{' + lm_head' if logits else ''}": forward(rows, logits)
-             for rows in (1, 5, 8, 16) for logits in (False, True)}
+             for rows in rows for logits in (False, True)}
     cases["forward 8 requests of 1 row"] = forward(1, False, batch=8)
     cases["prefill 64 rows"] = forward(64, False)
     for rows in (1, 5, 8):
@@ -280,7 +284,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--methods", default="ar,ngram", help="engine: the methods compared")
     parser.add_argument("--prompts", type=int, default=10, help="engine: prompts from each set")
-    parser.add_argument("--rows", default="1,2,3,4,5,6,8", help="linear: the row counts")
+    parser.add_argument("--rows", help="the row counts: linear's (default 1,2,3,4,5,6,8) or forward's (1,5,8,16)")
     parser.add_argument("--model", default=None, help="forward: a .gguf file or checkpoint (default: the embedded one)")
     args = parser.parse_args()
     from specserve.models import cpu_kernels
@@ -291,9 +295,9 @@ def main() -> None:
     elif args.kind == "engine":
         engine_cases(other, this, args.methods.split(","), args.prompts)
     elif args.kind == "linear":
-        linear_cases(other, this, args.rounds, tuple(int(m) for m in args.rows.split(",")))
+        linear_cases(other, this, args.rounds, row_counts(args.rows or "1,2,3,4,5,6,8"))
     else:
-        forward_cases(other, this, args.rounds, args.model)
+        forward_cases(other, this, args.rounds, args.model, row_counts(args.rows or "1,5,8,16"))
 
 
 if __name__ == "__main__":

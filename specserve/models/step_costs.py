@@ -25,9 +25,9 @@ class StepCosts:
     `lm_head`, also the lm_head's share by rows of logits, so a forward whose padded rows get no logits
     (CausalLM's logits_counts) is priced as it runs."""
 
-    # The kernels' tiles take up to 8 rows, so 9 and 17 rows start another pass over the weights: a step up in cost
-    # that interpolating between powers of two misses (an EAGLE tree of 8 nodes verifies 9 rows)
-    SIZES = (1, 2, 4, 8, 9, 16, 17, 32, 64)
+    # The kernels' tiles take up to 9 rows a pass (an 8-node tree and its root), so 10 and 19 rows start another
+    # pass over the weights: a step up in cost that interpolating between powers of two misses
+    SIZES = (1, 2, 4, 8, 9, 10, 16, 18, 19, 32, 64)
 
     def __init__(self, model, rows: int, seconds: list[float] | None = None, lm_head: bool = False,
                  head: list[float] | None = None):
