@@ -17,7 +17,7 @@ from pathlib import Path
 
 from specserve.bench.offline import load_prompts, run_bench
 from specserve.cli import deployment_config
-from specserve.engine import draft_gate
+from specserve.speculative.policy import draft_gate
 
 
 def main() -> None:

@@ -24,12 +24,6 @@ from specserve.speculative.verify import mask_logits, verify
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
 
 
-def reproducible(seq: Sequence) -> bool:
-    """A request that asked for a seed: its speculation must not depend on other requests or on timing, so that
-    the same seed gives the same output."""
-    return seq.params.seed is not None
-
-
 class Sequence:
     """One request's decoding state: committed tokens, the token not yet fed to the target, its proposer and
     draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""

@@ -43,7 +43,7 @@ from specserve.speculative.dflash import ContextCache, DFlashDrafter, is_dflash_
 from specserve.speculative.grammar import DraftWalk
 from specserve.models.step_costs import measured_step_costs
 from specserve.speculative.sampling import SamplingParams, probabilities, sample
-from specserve.speculative.tree_budget import Nodes, TreeBudget
+from specserve.speculative.policy.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
 

@@ -44,7 +44,7 @@ from specserve.speculative.branched import (BRANCHES, COMBINED_DRAFT_CAP, Branch
                                             BranchOptions, Branches)
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle import EagleHead, default_aux_layer_ids, detect_kind, load_eagle, read_state
-from specserve.speculative.tree_budget import Nodes, TreeBudget
+from specserve.speculative.policy.tree_budget import Nodes, TreeBudget
 from specserve.speculative.weights import read_draft_vocab
 
 

@@ -5,7 +5,7 @@ how often such chains turned out right, by position."""
 
 from __future__ import annotations
 
-from specserve.speculative.acceptance import AcceptanceByEvidence
+from specserve.speculative.policy.acceptance import AcceptanceByEvidence
 from specserve.speculative.ngram import NGramIndex, common_prefix_length
 from specserve.speculative.suffix import SuffixProposer
 

@@ -25,7 +25,7 @@ from specserve.speculative.base import DraftKind, MethodEntry, MethodOptions, Pr
 from specserve.speculative.choices import DEFAULT_CHOICES
 from specserve.speculative.eagle_kernels import DEFAULT_HEAD_QUANTIZATION, read_quantization
 from specserve.speculative.medusa import MedusaHeads, load_medusa
-from specserve.speculative.tree_budget import Nodes, TreeBudget
+from specserve.speculative.policy.tree_budget import Nodes, TreeBudget
 from specserve.speculative.verify import TypicalAcceptance
 
 

@@ -38,6 +38,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reproducible(self) -> bool:
+        """A request that asked for a seed: its speculation must not depend on other requests or on timing, so that
+        the same seed gives the same output."""
+        return self.seed is not None
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field: every number finite and in range, every list of its type."""
         if not _is_int(self.max_tokens) or self.max_tokens < 0:

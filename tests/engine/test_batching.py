@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from specserve.engine.batch import BatchEngine
-from specserve.engine.draft_length import ShadowDraft
+from specserve.speculative.policy.draft_length import ShadowDraft
 from specserve.engine.engine import Engine
 from specserve.models.step_costs import StepCosts
-from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
+from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
 from specserve.speculative.base import DraftKind, Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod, NGramProposer
@@ -164,7 +164,7 @@ def test_free_drafts_are_scored_even_when_the_batch_drafts_nothing(loaded, free,
     choice drafts one probe step after PROBE_AFTER undrafted ones and is revised from it. Learnt from verified
     drafts alone with no probes (the control), the estimate stays at its prior and the request decodes one token
     per forward."""
-    from specserve.engine.draft_length import ModelChainLengths
+    from specserve.speculative.policy.draft_length import ModelChainLengths
 
     monkeypatch.setattr(ModelChainLengths, "PROBE_AFTER", ModelChainLengths.PROBE_AFTER if probes else 10**9)
     target = loaded("llama")

@@ -4,7 +4,7 @@ losslessness with the gate on is in tests/speculative (greedy output equals plai
 
 from __future__ import annotations
 
-from specserve.engine.draft_gate import MAX_BACKOFF, PROBE_SHARE, PROBE_STEPS, RECHECK_FIRST, DraftGate, GatePool
+from specserve.speculative.policy.draft_gate import MAX_BACKOFF, PROBE_SHARE, PROBE_STEPS, RECHECK_FIRST, DraftGate, GatePool
 
 
 def verify(n: float) -> float:
@@ -179,7 +179,7 @@ def test_each_kind_of_step_has_its_own_gate():
     head has something to draft."""
     from types import SimpleNamespace
 
-    from specserve.engine.draft_gate import StepGates
+    from specserve.speculative.policy.draft_gate import StepGates
 
     class Proposer:
         def __init__(self):
@@ -189,7 +189,7 @@ def test_each_kind_of_step_has_its_own_gate():
             return self.chain
 
     class Request:  # hashed by identity, as a Sequence
-        proposer, context, params = Proposer(), [1, 2, 3], SimpleNamespace(seed=None)
+        proposer, context, params = Proposer(), [1, 2, 3], SimpleNamespace(reproducible=False)
 
         def draft_room(self, max_len):
             return max_len

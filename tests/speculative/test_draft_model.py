@@ -60,8 +60,8 @@ def test_the_price_per_drafted_token_leaves_out_the_catch_up(loaded, monkeypatch
 def test_the_draft_length_choice_prices_a_model_draft_by_its_one_token_forwards():
     """The choice's time per drafted token is the proposal's seconds_per_token where it gives one (a 40-token
     catch-up inside `seconds` would make drafting look four times dearer), else seconds / tokens."""
-    from specserve.engine.draft_length import ModelChainLengths
-    from specserve.speculative.acceptance import AcceptanceByEvidence
+    from specserve.speculative.policy.draft_length import ModelChainLengths
+    from specserve.speculative.policy.acceptance import AcceptanceByEvidence
     from specserve.speculative.base import Proposal
 
     choice = ModelChainLengths(SimpleNamespace(), None)
@@ -80,7 +80,7 @@ def test_the_draft_length_choice_prices_a_model_draft_by_its_one_token_forwards(
 def test_a_model_drafter_that_stopped_drafting_probes_again_ever_more_rarely():
     """Where its estimates say a draft does not pay, a model drafter still drafts one step after 8, then 16, 32 ...
     undrafted steps (it learns nothing otherwise); a drafter that drafts for free never needs to."""
-    from specserve.engine.draft_length import draft_length_choice
+    from specserve.speculative.policy.draft_length import draft_length_choice
     from specserve.speculative.base import DraftKind
 
     def drafted_steps(drafting: DraftKind) -> list[int]:

@@ -19,12 +19,12 @@ from specserve.models.loader import load_model
 from specserve.models.quant import QuantLinear
 from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
 from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer
-from specserve.speculative.tree_budget import Nodes
+from specserve.speculative.policy.tree_budget import Nodes
 from specserve.speculative.eagle_kernels import KernelHead
-from specserve.speculative.acceptance import Acceptance, AcceptanceByEvidence
+from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence
 from specserve.speculative.lookup_branch import LookupBranch
 from specserve.speculative.registry import label, parse_method
-from specserve.speculative.tree_budget import TreeBudget
+from specserve.speculative.policy.tree_budget import TreeBudget
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
@@ -153,7 +153,7 @@ def test_hardware_aware_budget_is_lossless(loaded, tmp_path):
 @pytest.mark.parametrize("method", ["eagle3", "eagle3+ngram", "eagle"])
 def test_a_head_that_does_not_pay_stops_drafting_and_stays_exact(loaded, tmp_path, method, monkeypatch):
     """A random head with measured costs (the default): the draft gate finds its drafts never pay and runs the
-    head only on rare probes (engine/draft_gate.py); the output is plain decoding's throughout."""
+    head only on rare probes (speculative/policy/draft_gate.py); the output is plain decoding's throughout."""
     target = loaded("gemma3")
     kind = "eagle" if method == "eagle" else "eagle3"
     name, _, branch = method.partition("+")

@@ -331,7 +331,7 @@ def test_bench_runs_the_prompts_through_one_method_and_reports_its_cache(loaded)
 
 
 def test_a_shadow_tree_is_scored_by_the_path_the_target_took():
-    from specserve.engine.draft_length import ShadowDraft
+    from specserve.speculative.policy.draft_length import ShadowDraft
     from specserve.speculative.tree import DraftTree
 
     class Seq:

@@ -48,9 +48,9 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from specserve.engine.sequence import Sequence, reproducible
 from specserve.smoothing import smoothed
 from specserve.speculative.base import Proposal
+from specserve.speculative.policy.request import Request
 
 REOPEN_MARGIN = 1.1  # a closed gate reopens only where the full draft's rate beats the cheap step's by this
 MAX_BACKOFF = 64  # cheap steps between probes of a draft that does not pay, at most (unless probes are dear)
@@ -203,7 +203,7 @@ class DraftGate:
 class Verdict:
     """What a row's verified step did: `drafted` draft tokens of which `accepted`, from `proposal`."""
 
-    seq: Sequence
+    seq: Request
     drafted: int
     accepted: int
     proposal: Proposal
@@ -214,29 +214,29 @@ class StepGates:
     its kind of step; which rows take the cheap step, and what each verified step teaches their gates."""
 
     def __init__(self):
-        self.gates: dict[tuple[Sequence, Hashable], DraftGate] = {}
-        self.step_gates: dict[Sequence, DraftGate] = {}  # the gate each request's current step went through
+        self.gates: dict[tuple[Request, Hashable], DraftGate] = {}
+        self.step_gates: dict[Request, DraftGate] = {}  # the gate each request's current step went through
         self.pools: dict[Hashable, GatePool] = {}  # per kind of step
 
     def forget(self) -> None:
         """Start the pools over (between runs of a benchmark); running requests keep their gates."""
         self.pools = {}
 
-    def leave(self, seq: Sequence) -> None:
+    def leave(self, seq: Request) -> None:
         self.gates = {key: gate for key, gate in self.gates.items() if key[0] is not seq}
         self.step_gates.pop(seq, None)
 
-    def gate(self, seq: Sequence, draft_len: int) -> DraftGate:
+    def gate(self, seq: Request, draft_len: int) -> DraftGate:
         """The request's gate for the kind of step it is at, now its step's gate."""
         situation = seq.proposer.situation(seq.context, seq.draft_room(draft_len))
         key = (seq, situation)
         if key not in self.gates:  # a seeded request's gate starts afresh and prices from the table alone (below)
-            pool = GatePool() if reproducible(seq) else self.pools.setdefault(situation, GatePool())
+            pool = GatePool() if seq.params.reproducible else self.pools.setdefault(situation, GatePool())
             self.gates[key] = DraftGate(pool, times_catch_up=situation is not None)
         self.step_gates[seq] = self.gates[key]
         return self.gates[key]
 
-    def cheap_rows(self, rows: list[Sequence], draft_len: int, verify) -> frozenset:
+    def cheap_rows(self, rows: list[Request], draft_len: int, verify) -> frozenset:
         """The rows whose gates take the cheap step this step (`verify`: a row's share of the step's price)."""
         return frozenset(seq for seq in rows if not self.gate(seq, draft_len).decide(verify))
 
@@ -247,7 +247,7 @@ class StepGates:
         for v in verdicts:
             if v.seq in self.step_gates:
                 self.step_gates[v.seq].observe(not v.proposal.cheap, 1 + v.accepted, v.drafted, v.proposal.seconds,
-                                               verify, None if reproducible(v.seq) else shares.get(id(v.proposal)))
+                                               verify, None if v.seq.params.reproducible else shares.get(id(v.proposal)))
 
     @staticmethod
     def _shares(wall: float, proposals, verify) -> dict[int, float]:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.engine.draft_gate import StepGates, Verdict
-from specserve.engine.draft_length import draft_length_choice
-from specserve.engine.sequence import Sequence
 from specserve.models.step_costs import StepCosts, measured_step_costs
 from specserve.speculative.base import DraftKind
+from specserve.speculative.policy.draft_gate import StepGates, Verdict
+from specserve.speculative.policy.draft_length import draft_length_choice
+from specserve.speculative.policy.request import Request
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,10 @@ class StepPolicy:
             return cls(engine, None)
         return cls(engine, costs or measured_step_costs(engine.target, max_rows, engine.ragged_logits))
 
-    def join(self, seq: Sequence) -> None:
+    def join(self, seq: Request) -> None:
         self.draft_length.join(seq)
 
-    def leave(self, seq: Sequence) -> None:
+    def leave(self, seq: Request) -> None:
         self.draft_length.leave(seq)
         if self.gates is not None:
             self.gates.leave(seq)
@@ -60,14 +60,14 @@ class StepPolicy:
         if self.gates is not None:
             self.gates.forget()
 
-    def plan(self, rows: list[Sequence]) -> StepPlan:
+    def plan(self, rows: list[Request]) -> StepPlan:
         draft_len = self.draft_length.choose(rows)
         verify = self._verify_share(len(rows))
         cheap = self.gates.cheap_rows(rows, draft_len, verify) if self.gates is not None else frozenset()
         return StepPlan(draft_len, verify, cheap)
 
     @staticmethod
-    def before(seqs: list[Sequence]) -> list[tuple]:
+    def before(seqs: list[Request]) -> list[tuple]:
         """The rows' draft counts and proposals as the verify forward starts (observe's `before`)."""
         return [(seq, seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
                 for seq in seqs]

@@ -19,11 +19,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from specserve.engine.sequence import Sequence, reproducible
 from specserve.models.step_costs import StepCosts
 from specserve.smoothing import smoothed
-from specserve.speculative.acceptance import AcceptanceByEvidence
 from specserve.speculative.base import DraftKind
+from specserve.speculative.policy.acceptance import AcceptanceByEvidence
+from specserve.speculative.policy.request import Request
 from specserve.speculative.tree import DraftTree
 
 
@@ -37,7 +37,7 @@ class ShadowDraft:
     tree: DraftTree  # a chain, or a tree of deterministic siblings (suffix decoding)
     evidence: Hashable = None  # the proposal's (Proposal.evidence)
 
-    def verdict(self, seq: Sequence) -> tuple[int, int] | None:
+    def verdict(self, seq: Request) -> tuple[int, int] | None:
         """(drafted, accepted: the root path the emitted tokens follow) once the request has emitted enough to
         tell, else None."""
         tree, draft = self.tree, self.tree.draft
@@ -60,19 +60,19 @@ class DraftLengthChoice:
     def __init__(self, engine, costs: StepCosts | None):
         self.engine = engine  # its max_draft_len
         self.costs = costs  # None: no choice, every step drafts max_draft_len
-        self.acceptance: dict[Sequence, AcceptanceByEvidence] = {}
+        self.acceptance: dict[Request, AcceptanceByEvidence] = {}
         self.pooled = AcceptanceByEvidence.pooled()  # every request's, the prior of each new one's
 
     def forget(self) -> None:
         """Start the pool over (between runs of a benchmark); running requests keep their own estimates."""
         self.pooled.by_evidence.clear()
 
-    def join(self, seq: Sequence) -> None:
+    def join(self, seq: Request) -> None:
         # a seeded request learns from its own drafts alone: draft lengths (and so the random numbers its
         # verification draws) then do not depend on which requests ran before it
-        self.acceptance[seq] = AcceptanceByEvidence(None if reproducible(seq) else self.pooled)
+        self.acceptance[seq] = AcceptanceByEvidence(None if seq.params.reproducible else self.pooled)
 
-    def leave(self, seq: Sequence) -> None:
+    def leave(self, seq: Request) -> None:
         del self.acceptance[seq]
 
     def observe(self, verdicts: list) -> None:
@@ -80,11 +80,11 @@ class DraftLengthChoice:
         for v in verdicts:
             self.record(v.seq, v.drafted, v.accepted, v.proposal)
 
-    def record(self, seq: Sequence, drafted: int, accepted: int, proposal) -> None:
+    def record(self, seq: Request, drafted: int, accepted: int, proposal) -> None:
         """A verified step's verdict on the request's draft (`proposal`): `accepted` of `drafted` tokens."""
         self.acceptance[seq].update(drafted, accepted, proposal.evidence)
 
-    def choose(self, seqs: list[Sequence]) -> int:
+    def choose(self, seqs: list[Request]) -> int:
         """The draft length (shared by the batch) with the most expected tokens per second (target time, plus the
         drafting time per drafted token where it is priced). A request with its own cap (`num_speculative_tokens`)
         drafts at most that many, and at most the draft it has now where that is known (`_draft_available`): it
@@ -107,7 +107,7 @@ class DraftLengthChoice:
 
         return self._probed(max(range(top + 1), key=throughput), top, throughput)
 
-    def longest(self, seqs: list[Sequence]) -> int:
+    def longest(self, seqs: list[Request]) -> int:
         """The longest draft any of the rows may take."""
         return min(self.engine.max_draft_len, max((seq.draft_cap for seq in seqs), default=0))
 
@@ -117,7 +117,7 @@ class DraftLengthChoice:
     def _probed(self, best: int, top: int, throughput) -> int:
         return best
 
-    def _draft_available(self, seq: Sequence, top: int) -> tuple[int, Hashable]:
+    def _draft_available(self, seq: Request, top: int) -> tuple[int, Hashable]:
         """How long a draft the request has now, and its evidence: unknown before drafting, so `top`, and none."""
         return top, None
 
@@ -140,7 +140,7 @@ class ModelChainLengths(DraftLengthChoice):
         self.undrafted = 0  # steps without a draft since it last drafted
         self.probe_wait = self.PROBE_AFTER
 
-    def record(self, seq: Sequence, drafted: int, accepted: int, proposal) -> None:
+    def record(self, seq: Request, drafted: int, accepted: int, proposal) -> None:
         super().record(seq, drafted, accepted, proposal)
         if drafted:
             per_token = proposal.seconds_per_token if proposal.seconds_per_token is not None else \
@@ -171,9 +171,9 @@ class LookupLengths(DraftLengthChoice):
 
     def __init__(self, engine, costs: StepCosts | None):
         super().__init__(engine, costs)
-        self.shadows: dict[Sequence, list[ShadowDraft]] = {}  # drafts scored, not verified
+        self.shadows: dict[Request, list[ShadowDraft]] = {}  # drafts scored, not verified
 
-    def leave(self, seq: Sequence) -> None:
+    def leave(self, seq: Request) -> None:
         super().leave(seq)
         self.shadows.pop(seq, None)
 
@@ -183,7 +183,7 @@ class LookupLengths(DraftLengthChoice):
         else:
             self.score_shadows([v.seq for v in verdicts])
 
-    def score_shadows(self, seqs: list[Sequence]) -> None:
+    def score_shadows(self, seqs: list[Request]) -> None:
         """Score the drafts the step's tokens decide, and draft from where each request now stands: one draft
         per step, as verified drafts would be."""
         for seq in seqs:
@@ -198,7 +198,7 @@ class LookupLengths(DraftLengthChoice):
                 open_drafts += self._shadow_draft(seq)
             self.shadows[seq] = open_drafts
 
-    def _shadow_draft(self, seq: Sequence) -> list[ShadowDraft]:
+    def _shadow_draft(self, seq: Request) -> list[ShadowDraft]:
         room = seq.draft_room(self.engine.max_draft_len)
         try:
             proposal = seq.proposer.propose(seq.context, room) if room else None
@@ -208,7 +208,7 @@ class LookupLengths(DraftLengthChoice):
             return []
         return [ShadowDraft(len(seq.context), proposal.tree, proposal.evidence)]
 
-    def _draft_available(self, seq: Sequence, top: int) -> tuple[int, Hashable]:
+    def _draft_available(self, seq: Request, top: int) -> tuple[int, Hashable]:
         """Its latest shadow was drafted from where it stands (a deterministic proposer drafts the same again);
         none there: nothing to draft. Before its first shadow, or under a grammar: `top`, and no evidence."""
         if seq not in self.shadows or seq.grammar is not None:
@@ -221,7 +221,7 @@ class SizedTreeLengths(DraftLengthChoice):
     """A tree its proposer sizes each step from the target's measured costs (EAGLE's tree budget): the batch
     hands it the full depth."""
 
-    def choose(self, seqs: list[Sequence]) -> int:
+    def choose(self, seqs: list[Request]) -> int:
         return self.longest(seqs)
 
 

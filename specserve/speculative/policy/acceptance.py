@@ -1,6 +1,6 @@
 """Measured draft acceptance by position: how often a draft's first token is accepted, and each later one given
 its predecessor was, kept per kind of evidence, per request and pooled over requests. The draft-length choice
-(engine/draft_length.py) and the lookup branch of EAGLE trees (lookup_branch.py) price drafts with it."""
+(speculative/policy/draft_length.py) and the lookup branch of EAGLE trees (lookup_branch.py) price drafts with it."""
 
 from __future__ import annotations
 
