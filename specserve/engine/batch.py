@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from specserve.engine.chunked_prefill import ChunkedPrefills
 from specserve.engine.output import StreamEvent
 from specserve.engine.sequence import PREFILL_CHUNK, Sequence
-from specserve.speculative.policy.step_policy import StepPolicy
 from specserve.models.kv_cache import KVCache
 from specserve.models.step_costs import StepCosts
+from specserve.speculative.policy.step_policy import StepPolicy
 from specserve.speculative.sampling import SamplingParams
 
 

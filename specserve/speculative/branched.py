@@ -17,12 +17,12 @@ from typing import ClassVar
 import torch
 
 from specserve.checks import ConfigError, flag
-from specserve.speculative.policy.acceptance import AcceptanceByEvidence
 from specserve.speculative.base import MethodOptions, Proposal, Proposer, SpecMethod
 from specserve.speculative.lookup_branch import LookupBranch, SuffixBranch
 from specserve.speculative.ngram import LOOKUP_KEYS, NGRAM, NGramOptions, check_lookup_bounds, read_lookup_bounds
-from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
+from specserve.speculative.policy.acceptance import AcceptanceByEvidence
 from specserve.speculative.policy.tree_budget import Nodes, TreeBudget
+from specserve.speculative.suffix import SUFFIX, SuffixMethod, SuffixOptions
 
 BRANCHES = ((NGRAM, "prompt_lookup_branch"), (SUFFIX, "suffix_branch"))  # NAME+ngram, NAME+suffix
 # a draft with a lookup branch, unless max_draft_len is given: as deep as `ngram`'s cap (a shallower branch lost

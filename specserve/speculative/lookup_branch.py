@@ -5,8 +5,8 @@ how often such chains turned out right, by position."""
 
 from __future__ import annotations
 
-from specserve.speculative.policy.acceptance import AcceptanceByEvidence
 from specserve.speculative.ngram import NGramIndex, common_prefix_length
+from specserve.speculative.policy.acceptance import AcceptanceByEvidence
 from specserve.speculative.suffix import SuffixProposer
 
 

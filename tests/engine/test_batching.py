@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from specserve.engine.batch import BatchEngine
-from specserve.speculative.policy.draft_length import ShadowDraft
 from specserve.engine.engine import Engine
 from specserve.models.step_costs import StepCosts
-from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
 from specserve.speculative.base import DraftKind, Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod, NGramProposer
+from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence, expected_tokens
+from specserve.speculative.policy.draft_length import ShadowDraft
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.tree import Chain
 

@@ -17,8 +17,8 @@ from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.speculative.dflash import DFlashConfig, load_dflash, new_dflash, save_dflash
-from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.policy.tree_budget import TreeBudget
+from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.weights import write_draft_vocab
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS

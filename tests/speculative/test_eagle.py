@@ -19,12 +19,12 @@ from specserve.models.loader import load_model
 from specserve.models.quant import QuantLinear
 from specserve.speculative.eagle import EagleHead, load_eagle, new_eagle_head, save_eagle
 from specserve.speculative.eagle_draft import EagleMethod, EagleOptions, EagleProposer
-from specserve.speculative.policy.tree_budget import Nodes
 from specserve.speculative.eagle_kernels import KernelHead
-from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence
 from specserve.speculative.lookup_branch import LookupBranch
-from specserve.speculative.registry import label, parse_method
+from specserve.speculative.policy.acceptance import Acceptance, AcceptanceByEvidence
+from specserve.speculative.policy.tree_budget import Nodes
 from specserve.speculative.policy.tree_budget import TreeBudget
+from specserve.speculative.registry import label, parse_method
 from specserve.speculative.sampling import SamplingParams
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
