@@ -13,8 +13,8 @@ run the variant SPECSERVE_KERNELS picks (the fastest by default).
 
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
-`forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows (`--rows`) after 200 cached
-tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head alone at 1,
+`forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows (`--rows`) after 200
+cached tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head alone at 1,
 5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits
 of a 64-token forward checked bit-identical. The other build must read this checkout's packed layout (same
 `PACK_VERSION`).

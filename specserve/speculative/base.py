@@ -61,14 +61,14 @@ class Proposer(ABC):
         root is tokens[-1]."""
 
     def propose_cheap(self, tokens: list[int], max_len: int) -> Proposal:
-        """The draft to verify when drafting in full does not pay (`speculative/policy/draft_gate.py`): what costs no model
-        (none by default; an EAGLE tree's lookup branch). Must leave the proposer able to draft in full later."""
+        """The draft to verify when drafting in full does not pay (`speculative/policy/draft_gate.py`): what costs no
+        model (none by default; an EAGLE tree's lookup branch). Must leave the proposer able to draft in full later."""
         return Proposal.chain(tokens[-1], [])
 
     def situation(self, tokens: list[int], max_len: int) -> Hashable:
         """The kind of step this one is (drafting up to `max_len` tokens), for the draft gate
-        (`speculative/policy/draft_gate.py`), which weighs drafting in full against the cheap step apart for each kind: None
-        (one kind) by default; an EAGLE tree with a lookup branch tells steps where the branch has a chain to offer
+        (`speculative/policy/draft_gate.py`), which weighs drafting in full against the cheap step apart for each kind:
+        None (one kind) by default; an EAGLE tree with a lookup branch tells steps where the branch has a chain to offer
         (full: the merged tree, cheap: the chain) from steps where it has none (full: the head's tree, cheap: a
         plain step). One gate for both closed the head wherever lookup chains paid more on average, also in the
         steps where only the head had anything to draft."""

@@ -4,7 +4,8 @@ losslessness with the gate on is in tests/speculative (greedy output equals plai
 
 from __future__ import annotations
 
-from specserve.speculative.policy.draft_gate import MAX_BACKOFF, PROBE_SHARE, PROBE_STEPS, RECHECK_FIRST, DraftGate, GatePool
+from specserve.speculative.policy.draft_gate import (MAX_BACKOFF, PROBE_SHARE, PROBE_STEPS, RECHECK_FIRST, DraftGate,
+                                                     GatePool)
 
 
 def verify(n: float) -> float:

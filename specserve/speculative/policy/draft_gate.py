@@ -246,8 +246,9 @@ class StepGates:
         shares = self._shares(wall, [v.proposal for v in verdicts], verify)
         for v in verdicts:
             if v.seq in self.step_gates:
+                share = None if v.seq.params.reproducible else shares.get(id(v.proposal))
                 self.step_gates[v.seq].observe(not v.proposal.cheap, 1 + v.accepted, v.drafted, v.proposal.seconds,
-                                               verify, None if v.seq.params.reproducible else shares.get(id(v.proposal)))
+                                               verify, share)
 
     @staticmethod
     def _shares(wall: float, proposals, verify) -> dict[int, float]:
