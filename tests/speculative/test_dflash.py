@@ -16,13 +16,14 @@ from specserve.config_vllm import load_model_json
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
+from specserve.models.step_costs import StepCosts
 from specserve.speculative.dflash import DFlashConfig, load_dflash, new_dflash, save_dflash
 from specserve.speculative.policy.tree_budget import TreeBudget
 from specserve.speculative.sampling import SamplingParams
 from specserve.speculative.weights import write_draft_vocab
 from specserve.train.heads import TrainSettings, train
 from tests.conftest import STORY_HELD_OUT, STORY_PROMPTS
-from tests.engine.test_batching import run_batched
+from tests.engine.test_batching import CPU_LIKE_COSTS, run_batched
 from tests.speculative.test_eagle import PROMPTS, assert_drafts_on_rare_probes
 from tests.speculative.test_sampling_lossless import break_the_verifier, exact_joint, follows, seeded_outputs
 
@@ -220,11 +221,13 @@ def test_trained_drafter_accepts_blocks_and_stays_exact(stories):
 
 
 def test_measured_costs_verify_the_prefix_that_pays_and_stay_exact(stories):
-    """With the target's measured costs each step verifies the block's best prefix by the drafter's calibrated
-    confidence: fewer tokens than a whole block on average, the same output."""
+    """With a cost table in which each verified token costs more (as a CPU's does past a few rows) each step verifies
+    the block's best prefix by the drafter's calibrated confidence: fewer tokens than a whole block on average, the
+    same output. (The tiny target's measured forwards cost the same up to a tile's 9 rows, where a whole block pays.)"""
     target, path = stories
     engine = engine_for(target, path, 4, adaptive=True)
     assert engine.method.verify_seconds is not None
+    engine.method.verify_seconds = StepCosts(None, 1, list(CPU_LIKE_COSTS))
     params = SamplingParams(max_tokens=60)
     drafted = steps = 0
     for prompt in STORY_HELD_OUT:
