@@ -27,7 +27,7 @@ class StepCosts:
 
     # The kernels' tiles take up to 9 rows a pass (an 8-node tree and its root), so 10 and 19 rows start another
     # pass over the weights: a step up in cost that interpolating between powers of two misses
-    SIZES = (1, 2, 4, 8, 9, 10, 16, 18, 19, 32, 64)
+    SIZES = (1, 2, 4, 8, 9, 10, 16, 19, 32, 64)
 
     def __init__(self, model, rows: int, seconds: list[float] | None = None, lm_head: bool = False,
                  head: list[float] | None = None):
