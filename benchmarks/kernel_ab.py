@@ -14,10 +14,10 @@ run the variant SPECSERVE_KERNELS picks (the fastest by default).
 `attention`: `decode_attention` on a few shapes (batch, query heads, rows, cached context; one kv head, or two for
 8 heads, head dim 256, random masks over a causal one), outputs checked bit-identical first.
 `forward`: a model's (`--model`, the default one unless given) forwards of 1, 5, 8 and 16 rows (`--rows`) after 200
-cached tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head alone at 1,
-5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final states; the logits
-of a 64-token forward checked bit-identical. The other build must read this checkout's packed layout (same
-`PACK_VERSION`).
+cached tokens, with and without the lm_head, 8 requests of one row each, a 64-token prefill forward, the lm_head
+alone at 1, 5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final
+states; the logits of a 64-token forward checked bit-identical. The other build must read this checkout's packed
+layout (same `PACK_VERSION`).
 `linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q4_0, Q5_0,
 Q4_K, Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
 reports the least time of all calls: on this VM stolen time only adds, and the median moved by 20% between builds
@@ -126,10 +126,6 @@ def attention_cases(other, this, rounds: int) -> None:
     current = {}
     runs = {name: (lambda args=args: current["kernels"].decode_attention(*args)) for name, args in cases.items()}
     compare(runs, lambda name: current.update(kernels=other if name == "other" else this), rounds, calls=20)
-
-
-def row_counts(text: str) -> tuple[int, ...]:
-    return tuple(int(m) for m in text.split(","))
 
 
 def forward_cases(other, this, rounds: int, model_name: str | None, rows: tuple[int, ...] = (1, 5, 8, 16)) -> None:
@@ -290,14 +286,15 @@ def main() -> None:
     from specserve.models import cpu_kernels
 
     other, this = build(args.csrc), cpu_kernels.extension()
+    rows = {} if args.rows is None else {"rows": tuple(int(m) for m in args.rows.split(","))}  # else each kind's own
     if args.kind == "attention":
         attention_cases(chosen_variant(other), chosen_variant(this), args.rounds)
     elif args.kind == "engine":
         engine_cases(other, this, args.methods.split(","), args.prompts)
     elif args.kind == "linear":
-        linear_cases(other, this, args.rounds, row_counts(args.rows or "1,2,3,4,5,6,8"))
+        linear_cases(other, this, args.rounds, **rows)
     else:
-        forward_cases(other, this, args.rounds, args.model, row_counts(args.rows or "1,5,8,16"))
+        forward_cases(other, this, args.rounds, args.model, **rows)
 
 
 if __name__ == "__main__":
