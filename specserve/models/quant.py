@@ -11,14 +11,15 @@ Every supported format is one affine code per weight (the layouts of ggml's `ggm
 | Q5_0   | 5    | 32 | 16  | d                            | 22 -> 22 |
 | Q5_1   | 5    | 32 | 0   | d, -m                        | 24 -> 24 |
 | Q8_0   | 8    | 32 | 128 | d (q stored as q + 128)      | 34 -> 34 |
-| Q4_K   | 4    | 32 | 0   | d * sc, dmin * m             | 18 -> 20 |
-| Q5_K   | 5    | 32 | 0   | d * sc, dmin * m             | 22 -> 24 |
-| Q6_K   | 6    | 16 | 32  | d * sc                       | 26.25 -> 28 |
+| Q4_K   | 4    | 32 | 0   | d * sc, dmin * m             | 18 -> 18.5 |
+| Q5_K   | 5    | 32 | 0   | d * sc, dmin * m             | 22 -> 22.5 |
+| Q6_K   | 6    | 16 | 32  | d * sc                       | 26.25 -> 26.25 |
 | int8   | 8    | 32 | 128 | max abs / 127 (symmetric)    | from fp weights |
 | int4   | 4    | 32 | 0   | (max - min) / 15, -min       | from fp weights |
 
 Scales and offsets are packed as fp16 per block, in a power-of-two `unit` of the weight's own (`half_unit`): a
-GGUF's f16 scales exactly, a K-quant's products d * sc and dmin * m to fp16's 11 bits (2^-12 relative). The kernel
+GGUF's f16 scales exactly. The K-quants keep their super-block layout instead: per 256 inputs and output the fp16
+d (and dmin), per block the integer sc (and m), whose products the kernel forms exactly in fp32. The kernel
 quantizes each activation row to int8 per block of 32 (as llama.cpp does) and sums q * p in integers, so a row's
 result does not depend on the other rows.
 """
@@ -38,6 +39,7 @@ from specserve.models import cpu_kernels
 
 TILE = 16  # outputs per kernel tile
 BLOCK = 32  # inputs per packed block
+SUPER_BLOCK = 256  # a K-quant's inputs per d (and dmin)
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")  # the `quantization` setting's values
 
@@ -48,7 +50,10 @@ class QuantizationError(ValueError):
 
 @dataclass
 class Codes:
-    """One weight as affine codes: q uint8 [N, K], scales / offsets float32 [N, K // group]."""
+    """One weight as affine codes: q uint8 [N, K], scales / offsets float32 [N, K // group]. A K-quant also
+    keeps the factors of its scales (packed as they are, `PackedWeight.from_codes`): scales = d * sub_scales and
+    offsets = dmin * sub_offsets, with d / dmin float32 [N, K // 256] (fp16 values) and the integer sub_scales /
+    sub_offsets int8 [N, K // group]."""
 
     q: np.ndarray
     scales: np.ndarray
@@ -57,6 +62,8 @@ class Codes:
     group: int
     zero: int
     kind: str
+    super_scales: tuple[np.ndarray, np.ndarray] | None = None  # (d, sub_scales)
+    super_offsets: tuple[np.ndarray, np.ndarray] | None = None  # (dmin, sub_offsets)
 
 
 # ---------------------------------------------------------------- GGUF blocks -> codes
@@ -91,21 +98,22 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.stack([chunks & 15, chunks >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
 
 
-def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks [N, nb, bytes] of a type in _FORMATS -> (q [N, nb, weights], scales [N, nb, groups], offsets
-    or None)."""
+def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, tuple, tuple | None]:
+    """Blocks [N, nb, bytes] of a type in _FORMATS -> (q [N, nb, weights], scales, offsets or None), the scales
+    and offsets each as (factor [N, nb, 1], integer [N, nb, groups] or None): the K-quants' d and sc, the other
+    types' scale alone."""
     if kind == "Q8_0":
         q = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return q, _f16(b[..., 0:2])[..., None], None
+        return q, (_f16(b[..., 0:2])[..., None], None), None
     if kind in ("Q4_0", "Q4_1"):
         start = 2 if kind == "Q4_0" else 4
-        offsets = None if kind == "Q4_0" else -_f16(b[..., 2:4])[..., None]
-        return _nibbles_32(b[..., start:start + 16]), _f16(b[..., 0:2])[..., None], offsets
+        offsets = None if kind == "Q4_0" else (-_f16(b[..., 2:4])[..., None], None)
+        return _nibbles_32(b[..., start:start + 16]), (_f16(b[..., 0:2])[..., None], None), offsets
     if kind in ("Q5_0", "Q5_1"):
         start = 2 if kind == "Q5_0" else 4
-        offsets = None if kind == "Q5_0" else -_f16(b[..., 2:4])[..., None]
+        offsets = None if kind == "Q5_0" else (-_f16(b[..., 2:4])[..., None], None)
         q = _nibbles_32(b[..., start + 4:start + 20]) | _high_bit_32(b[..., start:start + 4])
-        return q, _f16(b[..., 0:2])[..., None], offsets
+        return q, (_f16(b[..., 0:2])[..., None], None), offsets
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, m = _k_scales(b[..., 4:16])
@@ -116,17 +124,17 @@ def _decode_blocks(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
             q = _k_nibbles(b[..., 48:176])
             fifth = np.stack([(qh >> shift) & 1 for shift in range(8)], axis=-2)  # [.., 8 halves, 32]
             q = q | (fifth.reshape(*qh.shape[:-1], 256) << 4)
-        return q, d * sc.astype(np.float32), dmin * m.astype(np.float32)
+        return q, (d, sc.astype(np.int8)), (dmin, m.astype(np.int8))
     # Q6_K
     ql, qh = b[..., 0:128], b[..., 128:192]
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    sc = b[..., 192:208].view(np.int8)
     d = _f16(b[..., 208:210])[..., None]
     halves = []
     for h in range(2):  # 128 weights each: 4 runs of 32 (ggml's q1..q4)
         lo, hi = ql[..., 64 * h:64 * h + 64], qh[..., 32 * h:32 * h + 32]
         runs = [(lo[..., :32] & 15), (lo[..., 32:] & 15), (lo[..., :32] >> 4), (lo[..., 32:] >> 4)]
         halves += [run | (((hi >> (2 * r)) & 3) << 4) for r, run in enumerate(runs)]
-    return np.concatenate(halves, axis=-1), d * sc, None
+    return np.concatenate(halves, axis=-1), (d, sc), None
 
 
 _FORMATS = {  # kind -> (bits, group, zero, block bytes, weights per block)
@@ -147,8 +155,11 @@ def decode_gguf(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Codes:
         raise QuantizationError(f"a {kind} tensor needs rows of a multiple of {per_block} weights, not {k}")
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // per_block, block_bytes)
     q, scales, offsets = _decode_blocks(kind, blocks)
-    flat = lambda a: None if a is None else np.ascontiguousarray(a.reshape(n, -1), dtype=np.float32)
-    return Codes(q.reshape(n, k).astype(np.uint8), flat(scales), flat(offsets), bits, group, zero, kind)
+    flat = lambda a, dtype=np.float32: None if a is None else np.ascontiguousarray(a.reshape(n, -1), dtype=dtype)
+    product = lambda f: None if f is None else flat(f[0] if f[1] is None else f[0] * f[1].astype(np.float32))
+    factors = lambda f: None if f is None or f[1] is None else (flat(f[0]), flat(f[1], np.int8))
+    return Codes(q.reshape(n, k).astype(np.uint8), product(scales), product(offsets), bits, group, zero, kind,
+                 factors(scales), factors(offsets))
 
 
 # ---------------------------------------------------------------- fp weights -> codes
@@ -190,8 +201,8 @@ class PackedWeight:
 
     qs: torch.Tensor  # uint8 [tiles, K/32, 512 (8 bits) or 256 (4..6 bits)]
     planes: torch.Tensor | None  # uint8 [tiles, K/32, bits - 4, 64], 5- and 6-bit formats
-    scales: torch.Tensor  # float16 [tiles, K/32, 32/group, 16], in `unit`s
-    offsets: torch.Tensor | None  # float16, like scales
+    scales: torch.Tensor  # float16 [tiles, K/32, 32/group, 16], in `unit`s; a K-quant's: `_super_layout`
+    offsets: torch.Tensor | None  # like scales
     out_features: int
     in_features: int
     bits: int
@@ -213,6 +224,10 @@ class PackedWeight:
         # [tiles, 16 outputs, K/32, 8 groups, 4 inputs] -> [tiles, K/32, 8 groups, 16 outputs * 4 inputs]
         groups = q.reshape(tiles, TILE, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, k // BLOCK, 8, 64)
         qs, planes = _pack_groups(torch.from_numpy(np.ascontiguousarray(groups)), codes.bits)
+        if codes.super_scales is not None:
+            scales, offsets = (None if f is None else _super_layout(*f, tiles, codes.group)
+                               for f in (codes.super_scales, codes.super_offsets))
+            return cls(qs, planes, scales, offsets, n, k, codes.bits, codes.group, codes.zero, codes.kind)
 
         unit = half_unit(codes.scales, codes.offsets)
 
@@ -231,8 +246,8 @@ class PackedWeight:
     def fusable(parts: list["PackedWeight"]) -> bool:
         """Whether `concat` can make one weight of these: one format, and every part fills whole tiles."""
         first = parts[0]
-        same = all((p.bits, p.group, p.zero, p.offsets is None, p.in_features)
-                   == (first.bits, first.group, first.zero, first.offsets is None, first.in_features) for p in parts)
+        key = lambda p: (p.bits, p.group, p.zero, p.offsets is None, p.in_features, p.scales.dtype)
+        same = all(key(p) == key(first) for p in parts)
         return same and not any(p.out_features % TILE for p in parts)
 
     @staticmethod
@@ -299,16 +314,25 @@ class PackedWeight:
                             self.zero, self.kind, self.unit)
 
     def input_slice(self, start: int, end: int) -> "PackedWeight":
-        """Inputs [start, end) as a weight of their own (tensor parallelism's row split of o_proj / down_proj).
-        Every format is packed with its own scales per block of BLOCK inputs (a K-quant's 256-weight super-block
-        is unpacked into them), so any block boundary is an exact split."""
-        if start % BLOCK or end % BLOCK or not 0 <= start < end <= self.in_features:
-            raise QuantizationError(f"inputs [{start}, {end}) of a packed weight do not fall on its blocks of "
-                                    f"{BLOCK} weights")
-        first, last = start // BLOCK, end // BLOCK
-        part = lambda t: None if t is None else t[:, first:last].contiguous()
-        return PackedWeight(*(part(t) for t in self.tensors), self.out_features, end - start, self.bits,
+        """Inputs [start, end) as a weight of their own (tensor parallelism's row split of o_proj / down_proj):
+        any boundary of its blocks of scales (BLOCK inputs; a K-quant's super-blocks of SUPER_BLOCK) is an exact
+        split."""
+        span = SUPER_BLOCK if self.super_blocks else BLOCK
+        if start % span or end % span or not 0 <= start < end <= self.in_features:
+            raise QuantizationError(f"inputs [{start}, {end}) of a packed {self.kind} weight do not fall on its "
+                                    f"blocks of {span} weights")
+
+        def part(name: str) -> torch.Tensor | None:
+            t, per = getattr(self, name), SUPER_BLOCK if self.super_blocks and name in ("scales", "offsets") else BLOCK
+            return None if t is None else t[:, start // per:end // per].contiguous()
+
+        return PackedWeight(*(part(name) for name in _TENSOR_FIELDS), self.out_features, end - start, self.bits,
                             self.group, self.zero, self.kind, self.unit)
+
+    @property
+    def super_blocks(self) -> bool:
+        """Whether the scales are in a K-quant's super-block layout (`_super_layout`)."""
+        return self.scales.dtype == torch.uint8
 
     @property
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -350,6 +374,20 @@ class PackedWeight:
                             f"{self.kind} screen", self.unit)
 
 
+def _super_layout(factor: np.ndarray, integers: np.ndarray, tiles: int, group: int) -> torch.Tensor:
+    """A K-quant's scales (or offsets) as the kernel reads them (quant_linear.cpp): uint8 [tiles, K/256, 32 + 8 *
+    (32/group) * 16], per super-block the 16 outputs' fp16 factor d (or dmin), then per block of 32 its int8 sc (or
+    m) [32/group][16]. N is padded with zeros."""
+    n, supers = factor.shape
+    pad = ((0, tiles * TILE - n), (0, 0))
+    d = np.pad(factor, pad).astype(np.float16).reshape(tiles, TILE, supers).transpose(0, 2, 1)
+    per_block = BLOCK // group
+    sc = np.pad(integers, pad).reshape(tiles, TILE, supers, SUPER_BLOCK // BLOCK, per_block).transpose(0, 2, 3, 4, 1)
+    d_bytes = np.ascontiguousarray(d).view(np.uint8).reshape(tiles, supers, 2 * TILE)
+    sc_bytes = np.ascontiguousarray(sc).view(np.uint8).reshape(tiles, supers, -1)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([d_bytes, sc_bytes], axis=-1)))
+
+
 def half_unit(scales: np.ndarray, offsets: np.ndarray | None) -> float:
     """The power of two that puts a weight's largest scale or offset at 2^14..2^15: in that unit fp16 keeps 11
     bits of every value down to 2^-28 of the largest (a GGUF f16 scale exactly), and none overflows."""
@@ -382,7 +420,7 @@ def _pack_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
     return qs, planes
 
 
-PACK_VERSION = 5  # bump when the packed layout changes: cached files of another version are ignored
+PACK_VERSION = 6  # bump when the packed layout changes: cached files of another version are ignored
 _META_FIELDS = ("out_features", "in_features", "bits", "group", "zero", "kind", "unit")
 
 

@@ -52,19 +52,16 @@ def packed_weight(kind: str, rows: int = 80, cols: int = 512, seed: int = 0):
 
 @pytest.mark.parametrize("kind", quant.GGUF_TYPES)
 def test_gguf_blocks_decode_to_gguf_py_values(kind):
-    """Exact where the GGUF block's scales are f16 values; a K-quant's scale d * sc (and min dmin * m) is kept to
-    fp16's 11 bits, so each weight is within 2^-11 of its block's |scale| * |q - z| + |offset|."""
+    """Every type exactly: its f16 scales as they are, and a K-quant's d * sc (and dmin * m) formed from its
+    super-block's fp16 d and integer sc, which the packed layout keeps as they are (1 byte a block, not 2)."""
     raw = random_gguf(kind, 35, 512, seed=1)  # 35 rows: a partial last tile
     expected = quants.dequantize(raw, GGMLQuantizationType[kind]).reshape(35, 512)
-    codes = quant.decode_gguf(kind, raw, (35, 512))
-    got = quant.PackedWeight.from_codes(codes).dequantize().numpy()
-    if not kind.endswith("_K"):
-        assert np.array_equal(got, expected)
-        return
-    assert not np.array_equal(got, expected)  # the rounding this test bounds is there
-    term = np.abs(codes.scales) * 2 ** codes.bits + (np.abs(codes.offsets) if codes.offsets is not None else 0)
-    bound = np.repeat(term, codes.group, axis=1) * 2.0 ** -11 * (1 + 2 ** -10)
-    assert (np.abs(got - expected) <= bound).all()
+    packed = quant.PackedWeight.from_codes(quant.decode_gguf(kind, raw, (35, 512)))
+    assert np.array_equal(packed.dequantize().numpy(), expected)
+    assert packed.super_blocks == kind.endswith("_K")
+    if packed.super_blocks:  # the GGUF's bytes per weight, bar Q4_K / Q5_K's 6-bit sc and m held in bytes
+        bytes_per_weight = packed.nbytes / (48 * 512)  # 3 tiles of 16 outputs
+        assert bytes_per_weight == {"Q4_K": 18.5, "Q5_K": 22.5, "Q6_K": 26.25}[kind] / 32
 
 
 @pytest.mark.parametrize("magnitude", [2.0 ** -40, 1e-7, 3e-3, 1.0, 7e4, 2.0 ** 60])

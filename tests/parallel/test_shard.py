@@ -28,3 +28,16 @@ def test_slices_off_the_tiles_and_blocks_are_refused():
         packed.output_slice(8, 48)
     with pytest.raises(QuantizationError, match="blocks of 32"):
         packed.input_slice(0, 48)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quants_slice_on_their_super_blocks(kind):
+    """A K-quant keeps one d per 256 inputs: its slices fall on those super-blocks, exactly, or are refused."""
+    from tests.models.test_quant import packed_weight
+
+    packed, _ = packed_weight(kind, rows=48, cols=768)
+    whole = packed.dequantize()
+    assert torch.equal(packed.input_slice(256, 768).dequantize(), whole[:, 256:])
+    assert torch.equal(packed.output_slice(16, 48).dequantize(), whole[16:48])
+    with pytest.raises(QuantizationError, match="blocks of 256"):
+        packed.input_slice(0, 384)
