@@ -18,10 +18,10 @@ cached tokens, with and without the lm_head, 8 requests of one row each, a 64-to
 alone at 1, 5 and 8 rows, and the greedy screen (`screen_argmax`) at 1, 8 and 64 rows of a real text's final
 states; the logits of a 64-token forward checked bit-identical. The other build must read this checkout's packed
 layout (same `PACK_VERSION`).
-`linear`: `quant_linear` alone on one thread, a random 8192 x 640 weight of each kernel format (Q4_0, Q5_0,
-Q4_K, Q6_K, Q8_0) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups and joins. It
-reports the least time of all calls: on this VM stolen time only adds, and the median moved by 20% between builds
-of identical code. Outputs checked bit-identical.
+`linear`: `quant_linear` alone on one thread, a random 8192 x 768 weight of each kernel format (Q4_0, Q5_0, Q8_0, and
+Q4_K, Q6_K from random GGUF blocks) at 1..8 rows: the tiles' own speed, without the model's small calls, thread wake-ups
+and joins. It reports the least time of all calls: on this VM stolen time only adds, and the median moved by 20% between
+builds of identical code. Outputs checked bit-identical.
 `engine`: the first N general questions and N HumanEval prompts (128 tokens, greedy) through `Engine.generate` of
 each method (default config), the builds alternated prompt by prompt; outputs checked equal, tokens/s per build.
 
@@ -183,8 +183,8 @@ def forward_cases(other, this, rounds: int, model_name: str | None, rows: tuple[
     use("this")
 
 
-LINEAR_FORMATS = ((4, 32, 8, False, "Q4_0"), (5, 32, 16, False, "Q5_0"), (4, 32, 0, True, "Q4_K"),
-                  (6, 16, 32, False, "Q6_K"), (8, 32, 128, False, "Q8_0"))  # bits, group, zero, offsets, name
+LINEAR_FORMATS = ((4, 32, 8, False, "Q4_0"), (5, 32, 16, False, "Q5_0"),
+                  (8, 32, 128, False, "Q8_0"))  # bits, group, zero, offsets, name; the K-quants: random GGUF blocks
 
 
 def linear_cases(other, this, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8)) -> None:
@@ -194,13 +194,18 @@ def linear_cases(other, this, rounds: int, rows: tuple[int, ...] = (1, 2, 3, 4, 
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    n, k = 8192, 640
+    n, k = 8192, 768  # K a multiple of the K-quants' 256
     weights = {}
     for bits, group, zero, offsets, name in LINEAR_FORMATS:
         scales = lambda: rng.random((n, k // group), dtype=np.float32) * 0.01
         codes = quant.Codes(rng.integers(0, 2**bits, (n, k), dtype=np.uint8), scales(),
                             scales() if offsets else None, bits, group, zero, name)
         weights[name] = quant.PackedWeight.from_codes(codes)
+    from random_gguf import Q, random_blocks, unit_scale  # benchmarks/random_gguf.py, beside this script
+
+    for kind in (Q.Q4_K, Q.Q6_K):  # in their super-block layout
+        raw = random_blocks(kind, n, k, rng, unit_scale(kind, k))
+        weights[kind.name] = quant.PackedWeight.from_codes(quant.decode_gguf(kind.name, raw, (n, k)))
     inputs = {m: torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16() for m in rows}
     for name, weight in weights.items():
         for m, x in inputs.items():
