@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from specserve.checks import ConfigError
-from specserve.models.quant import BLOCK, TILE, QuantLinear
+from specserve.models.quant import BLOCK, TILE, QuantizationError, QuantLinear
 from specserve.models.transformer import ArchSpec, CausalLM
 
 
@@ -111,7 +111,11 @@ def input_columns(layer: nn.Module, span: Span) -> nn.Module:
     """The linear over inputs [start, end) alone (a row split: a partial sum of its outputs). o_proj and down_proj
     have no bias in the supported families (one would be added once, not per rank)."""
     if isinstance(layer, QuantLinear):
-        return QuantLinear(layer.packed.input_slice(span.start, span.end))
+        try:  # a K-quant splits on its super-blocks of 256 only, which check_shardable cannot see
+            return QuantLinear(layer.packed.input_slice(span.start, span.end))
+        except QuantizationError as exc:
+            raise ConfigError(f"tensor_parallel_size: this rank's share: {exc}; use another size or "
+                              "quantization: none") from exc
     return _dense(layer.weight.detach()[:, span.start:span.end].clone(), None)
 
 

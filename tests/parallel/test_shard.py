@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.models.quant import PackedWeight, QuantizationError, quantize_dense
+from specserve.checks import ConfigError
+from specserve.models.quant import PackedWeight, QuantizationError, QuantLinear, quantize_dense
+from specserve.parallel.shard import Span, input_columns
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -41,3 +43,5 @@ def test_k_quants_slice_on_their_super_blocks(kind):
     assert torch.equal(packed.output_slice(16, 48).dequantize(), whole[16:48])
     with pytest.raises(QuantizationError, match="blocks of 256"):
         packed.input_slice(0, 384)
+    with pytest.raises(ConfigError, match="tensor_parallel_size.*blocks of 256"):  # a rank's share names the setting
+        input_columns(QuantLinear(packed), Span(384, 384))
