@@ -20,7 +20,7 @@
 //                                      a mask (AVX2, per half tile: one 32-byte load)
 //   scales fp16    [tiles, K/32, 32/G, 16], offsets (optional) the same; G = 16 or 32. Both are stored divided by
 //                  the weight's `unit`, a power of two that puts its largest at 2^14..2^15, so fp16 holds every
-//                  GGUF f16 scale exactly and a K-quant's d * sc to 2^-12; a tile's sums come out in that unit and
+//                  GGUF f16 scale exactly (other scales to 2^-12); a tile's sums come out in that unit and
 //                  y is multiplied by it (exact: a power of two), so they equal fp32 scales' sums bit for bit.
 //                  Half the bytes of fp32 scales: a one-row step streams 10% fewer (Q4_0, Q8_0).
 //   or, for the K-quants (Q4_K, Q5_K, Q6_K), their own super-block layout: scales uint8 [tiles, K/256, 32 + 8 *

@@ -35,11 +35,11 @@ from torch import nn
 
 from specserve.checks import ConfigError
 from specserve.models.loader import LoadedModel
+from specserve.models.step_costs import measured_step_costs
 from specserve.speculative import dflash_kernels, eagle_kernels
 from specserve.speculative.base import DraftKind, MethodEntry, Proposal
 from specserve.speculative.branched import (BRANCHES, COMBINED_DRAFT_CAP, BranchedMethod, BranchedProposer,
                                             BranchOptions, Branches)
-from specserve.models.step_costs import measured_step_costs
 from specserve.speculative.dflash import ContextCache, DFlashDrafter, is_dflash_dir, load_dflash
 from specserve.speculative.grammar import DraftWalk
 from specserve.speculative.policy.tree_budget import Nodes, TreeBudget
