@@ -5,6 +5,9 @@
 //   activation row m, block c of 32:    x[k] ~ dx[m,c] * p[m,k]                   p = round(x / dx), |p| <= 127
 //   y[m,n] = sum_b dx[m,c(b)] * ( s[n,b] * float(isum - z * psum) - o[n,b] * float(psum) )
 //   with isum = sum_k q * p and psum = sum_k p over the block: integers, exact in int32 whatever the order.
+//   The K-quants (s = d * sc, o = dmin * m with d, dmin per super-block S of 256) take activations with one dx per
+//   super-block (llama.cpp's Q8_K) and keep the sums over S integer, the fp32 tail once per S:
+//   y[m,n] = sum_S dx[m,S] * ( d[n,S] * float(sum_b sc * (isum - z * psum)) - dmin[n,S] * float(sum_b m * psum) )
 // So every path (AVX-512 VNNI, AVX2, scalar) computes the same integers, then the same fp32 operations in the
 // same order per (m, n): the result is bit-identical across paths, row counts, row groupings and threads.
 // Activation quantization is per row (it depends only on x[m]), which keeps rows independent.
@@ -26,7 +29,7 @@
 //   or, for the K-quants (Q4_K, Q5_K, Q6_K), their own super-block layout: scales uint8 [tiles, K/256, 32 + 8 *
 //                  (32/G) * 16]: per super-block of 256 inputs the 16 outputs' fp16 d (32 bytes), then per block of
 //                  32 the int8 sc [32/G][16]; offsets (Q4_K, Q5_K) the same with dmin and m. s = d * sc and o =
-//                  dmin * m are exact in fp32 (11 by 7 bits), so the GGUF's weights are computed exactly, and a
+//                  dmin * m are the GGUF's weights exactly (integer sc, m; see the math above), and a
 //                  block's scales cost 1 byte, not 2, per output: Q4_K streams 18.5 bytes per 32 weights (GGUF
 //                  18), Q6_K 26.25 (GGUF 26.25), against 20 and 28 as fp16 scales per block.
 
@@ -77,16 +80,16 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == width && bias->is_contiguous(),
                 "bias: fp32 [sum of N]");
 
-  std::vector<int8_t> p(M * K);
-  std::vector<float> dx(M * (K / kBlock));
-  std::vector<int32_t> psum16(M * (K / 16));
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(isa, x.data_ptr<float>(), M, K, p.data(), dx.data(), psum16.data());
-  else
-    quantize_rows(isa, x.data_ptr<at::BFloat16>(), M, K, p.data(), dx.data(), psum16.data());
-  Acts X{p.data(), dx.data(), psum16.data(), K};
-  CallLayout layout(isa, X, M);
-  for (Packed& w : W) layout.for_format(w);
+  // the activations once per scale span the weights read: per block of 32 (Q8_0), per super-block (Q8_K: the
+  // K-quants' integer sums then run over whole super-blocks)
+  const bool any_super = std::any_of(W.begin(), W.end(), [](const Packed& w) { return w.super_scales; });
+  const bool any_block = std::any_of(W.begin(), W.end(), [](const Packed& w) { return !w.super_scales; });
+  QuantizedRows per_block(x, M, K, any_block ? kBlock : 0, isa), per_super(x, M, K, any_super ? 256 : 0, isa);
+  std::optional<CallLayout> block_layout, super_layout;
+  if (any_block) block_layout.emplace(isa, per_block.acts, M);
+  if (any_super) super_layout.emplace(isa, per_super.acts, M);
+  for (Packed& w : W) (w.super_scales ? *super_layout : *block_layout).for_format(w);
+  const auto acts_of = [&](const Packed& w) -> const Acts& { return w.super_scales ? per_super.acts : per_block.acts; };
 
   const auto out_type = out_fp32 ? at::kFloat : x.scalar_type();
   at::Tensor y = at::empty({M, width}, x.options().dtype(out_type));
@@ -105,7 +108,7 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
       if (once.decode) once.decode(w, tile, decoded);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         const int mr = int(std::min<int64_t>(kMaxRows, M - m0));
-        run_tile(fns[i], once, w, X, tile, m0, mr, block, decoded);
+        run_tile(fns[i], once, w, acts_of(w), tile, m0, mr, block, decoded);
         const int64_t n0 = column[i] + tile * kTile, count = std::min<int64_t>(kTile, w.N - tile * kTile);
         const TileOut to{y32 ? y32 + m0 * width + n0 : nullptr, y16 ? y16 + m0 * width + n0 : nullptr, width,
                          b ? b + n0 : nullptr, w.unit};

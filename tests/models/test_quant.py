@@ -121,10 +121,11 @@ def test_kernel_paths_agree_are_row_invariant_and_accurate(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_path_quantizes_hard_activations_alike(dtype, monkeypatch):
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])  # one activation scale per block of 32, or per super-block
+def test_every_path_quantizes_hard_activations_alike(dtype, kind, monkeypatch):
     """The vector paths quantize activations with their own instructions: halfway cases (round to even), zero and
     tiny blocks, mixed magnitudes and a NaN must come out as the scalar path's std::nearbyint makes them."""
-    packed, _ = packed_weight("Q8_0", rows=32, cols=256)
+    packed, _ = packed_weight(kind, rows=32, cols=256)
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)) * 3
     x[0, :32] = torch.arange(32) - 15.5  # amax 15.5: halfway codes ... 126.5 / 15.5 * k ...
     x[0, 32:64] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # amax 127: scale 1, exact halves
