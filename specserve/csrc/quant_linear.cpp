@@ -84,7 +84,8 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
   // K-quants' integer sums then run over whole super-blocks)
   const bool any_super = std::any_of(W.begin(), W.end(), [](const Packed& w) { return w.super_scales; });
   const bool any_block = std::any_of(W.begin(), W.end(), [](const Packed& w) { return !w.super_scales; });
-  QuantizedRows per_block(x, M, K, any_block ? kBlock : 0, isa), per_super(x, M, K, any_super ? 256 : 0, isa);
+  QuantizedRows per_block(x, M, K, any_block ? kBlock : 0, isa);
+  QuantizedRows per_super(x, M, K, any_super ? kSuperBlocks * kBlock : 0, isa);
   std::optional<CallLayout> block_layout, super_layout;
   if (any_block) block_layout.emplace(isa, per_block.acts, M);
   if (any_super) super_layout.emplace(isa, per_super.acts, M);
