@@ -65,7 +65,7 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
   std::vector<DecodedTiles> decoded_fns;
   int64_t decoded_kblocks = 0;  // the largest K/32 of the weights decoded once per tile
   std::vector<int64_t> column(parts + 1, 0);
-  std::vector<std::pair<int, int64_t>> work;  // (weight, tile)
+  std::vector<int64_t> first_tile(parts + 1, 0);  // the call's items: weight i's tiles from first_tile[i] on
   for (size_t i = 0; i < parts; ++i) {
     W.push_back(packed_from(qs[i], planes[i], scales[i], offsets[i], N[i], bits[i], group[i], zero[i], unit[i]));
     TORCH_CHECK(K == W[i].kblocks * kBlock, "x has K=", K, ", the weight ", W[i].kblocks * kBlock);
@@ -73,7 +73,7 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
     decoded_fns.push_back(decoded_tiles(isa, W[i], M));
     if (decoded_fns.back().decode) decoded_kblocks = std::max(decoded_kblocks, W[i].kblocks);
     column[i + 1] = column[i] + N[i];
-    for (int64_t t = 0; t < W[i].tiles; ++t) work.emplace_back(int(i), t);
+    first_tile[i + 1] = first_tile[i] + W[i].tiles;
   }
   const int64_t width = column[parts];
   if (bias.has_value())
@@ -97,13 +97,15 @@ at::Tensor specserve::quant_linear(const at::Tensor& x_in, const std::vector<at:
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y32 = out_type == at::kFloat ? y.data_ptr<float>() : nullptr;
   at::BFloat16* y16 = out_type == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
-  split_items(int64_t(work.size()), [&](const auto& next) {
+  split_items(first_tile[parts], [&](const auto& next) {
     float block[kMaxRows * kTile];
     // in cache lines: an AVX-512 access across two lines costs two
     std::vector<CacheLine> decoded_lines(decoded_kblocks * 8);
     DecodedVector* decoded = reinterpret_cast<DecodedVector*>(decoded_lines.data());
     for (int64_t item; (item = next()) >= 0;) {
-      const auto [i, tile] = work[item];
+      size_t i = 0;
+      while (item >= first_tile[i + 1]) ++i;
+      const int64_t tile = item - first_tile[i];
       const Packed& w = W[i];
       const DecodedTiles& once = decoded_fns[i];
       if (once.decode) once.decode(w, tile, decoded);
