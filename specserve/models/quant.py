@@ -448,20 +448,22 @@ def save_packed(weights: dict[str, PackedWeight], path) -> None:
 
 
 def load_packed(path) -> dict[str, PackedWeight] | None:
-    """What save_packed wrote (memory-mapped), or None if the file is of another layout version."""
+    """What save_packed wrote (copied into huge pages where the system has them: huge_pages.py), or None if the
+    file is of another layout version."""
     import json
 
     from safetensors import safe_open
+
+    from specserve.models.huge_pages import huge_page_copies
 
     with safe_open(str(path), framework="pt") as reader:
         header = reader.metadata() or {}
         if header.get("version") != str(PACK_VERSION):
             return None
-        names = set(reader.keys())
+        loaded = huge_page_copies({key: reader.get_tensor(key) for key in reader.keys()})
 
         def stored(prefix: str, fields: dict) -> PackedWeight:
-            tensor = lambda key: reader.get_tensor(key) if key in names else None
-            return PackedWeight(*(tensor(f"{prefix}.{f}") for f in _TENSOR_FIELDS), **fields)
+            return PackedWeight(*(loaded.get(f"{prefix}.{f}") for f in _TENSOR_FIELDS), **fields)
 
         wholes = {prefix: stored(prefix, fields) for prefix, fields in json.loads(header["specserve_fused"]).items()}
         weights = {}

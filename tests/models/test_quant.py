@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from gguf import GGMLQuantizationType, quants
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels, quant
 from specserve.models.gguf_convert import llama_row_order
+from specserve.models.huge_pages import huge_page_copies
 from specserve.models.loader import ModelLoadError, load_model
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
@@ -241,6 +244,20 @@ def test_packed_weights_cache_round_trip(tmp_path):
         assert torch.equal(back[name].matmul(x, out_fp32=True), w.matmul(x, out_fp32=True))
 
 
+def test_huge_page_copies_keep_every_tensor_and_share_one_mapping():
+    tensors = {"codes": torch.randint(0, 255, (3, 5, 7), dtype=torch.uint8), "scales": torch.randn(33).half(),
+               "empty": torch.empty(0, 4), "transposed": torch.randn(6, 4).t(), "index": torch.arange(5)}
+    copies = huge_page_copies(tensors)
+    assert list(copies) == list(tensors)
+    for name, tensor in tensors.items():
+        copy = copies[name]
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape and torch.equal(copy, tensor)
+        assert copy.is_contiguous() and copy.data_ptr() % 4096 == 0
+    if sys.platform == "linux":  # one mapping, each tensor on pages of its own
+        starts = sorted(copies[name].data_ptr() for name in ("codes", "scales", "transposed", "index"))
+        assert all(0 < b - a <= 4096 for a, b in zip(starts, starts[1:]))
+
+
 def test_fused_parts_are_cached_once_and_map_back_as_views_of_one_weight(tmp_path):
     """q/k/v fused before the cache is written (Q4_K, Q4_K, Q6_K: the first two fuse, the third rides alone) are
     stored once and come back as views of the fused weight, which FusedQuantLinear then uses without a copy."""
@@ -253,7 +270,9 @@ def test_fused_parts_are_cached_once_and_map_back_as_views_of_one_weight(tmp_pat
     back = quant.load_packed(tmp_path / "w.st")
     q, k, v = back.values()
     assert q.fused_into is not None and q.fused_into[0] is k.fused_into[0] and v.fused_into is None
-    assert q.qs.untyped_storage().data_ptr() == k.qs.untyped_storage().data_ptr()
+    whole = q.fused_into[0].qs  # every loaded tensor shares the one huge-page mapping: test the fused weight's bytes
+    start, end = whole.data_ptr(), whole.data_ptr() + whole.numel() * whole.element_size()
+    assert all(start <= part.qs.data_ptr() < end for part in (q, k)) and not start <= v.qs.data_ptr() < end
     for name, w in back.items():
         assert torch.equal(w.matmul(x, out_fp32=True), expected[name])
     fused = quant.FusedQuantLinear([quant.QuantLinear(w, None) for w in back.values()])
