@@ -1,39 +1,64 @@
-"""Weights copied into memory backed by 2 MB pages where the system allows it (Linux transparent huge pages).
+"""A safetensors file's tensors read into memory backed by 2 MB pages where the system allows it (Linux
+transparent huge pages).
 
 The quantized tiles stream every weight once per forward. Mapped from their file in 4 KB pages, each 4 KB of the
 stream costs a TLB miss and ends the hardware prefetcher's run; in one anonymous private mapping advised
 MADV_HUGEPAGE (honoured under the kernel's `madvise` and `always` settings, the defaults of most distributions) a
-page walk covers 2 MB. What it bought is in docs/design-notes.md ("Kept settings"). Where the advice is not
-available (other systems) or not honoured (`never`, no free huge pages), the copy holds ordinary pages: the same
-values, read the same way.
+page walk covers 2 MB. What it bought is in docs/design-notes.md ("Kept settings"). Where the advice is not honoured
+(`never`, no free huge pages), the mapping holds ordinary pages: the same values, read the same way.
+
+The file is read straight into the mapping, not memory-mapped and copied: safetensors has no call that reads into
+a given buffer, and a mapped copy would hold the file's pages and the new ones at once (twice the weights' size at
+load). The format is safetensors' own (an 8-byte little-endian header size, a JSON header of each tensor's dtype,
+shape and byte range, then the data).
 """
 
 from __future__ import annotations
 
+import json
 import mmap
+import struct
+from pathlib import Path
 
 import torch
 
 _ALIGN = 4096  # each tensor starts on a page of its own: the views' data pointers stay aligned for any dtype
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+           "F64": torch.float64}
 
 
-def huge_page_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors (values, dtypes, shapes) as contiguous views of one new mapping advised MADV_HUGEPAGE; the
-    tensors given unchanged where this system has no such advice."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    private = getattr(mmap, "MAP_PRIVATE", None)
-    if advice is None or private is None or not tensors:
-        return tensors
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    total = sum(-(-size // _ALIGN) * _ALIGN for size in sizes.values())
-    arena = mmap.mmap(-1, max(total, _ALIGN), flags=private | mmap.MAP_ANONYMOUS)
-    arena.madvise(advice)
-    memory = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping for as long as a view lives
-    copies, offset = {}, 0
-    for name, tensor in tensors.items():
-        size = sizes[name]
-        view = memory[offset:offset + size].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor)
-        copies[name] = view
-        offset += -(-size // _ALIGN) * _ALIGN
-    return copies
+def huge_pages_available() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
+    """The file's tensors as views of one new mapping advised MADV_HUGEPAGE; None where this system has no such
+    advice or the file holds a dtype this reader does not know (read it with safetensors then)."""
+    if not huge_pages_available():
+        return None
+    with open(path, "rb") as file:
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+        header.pop("__metadata__", None)
+        if any(entry["dtype"] not in _DTYPES for entry in header.values()):
+            return None
+        arena = mmap.mmap(-1, max(_ALIGN, sum(_aligned(e["data_offsets"][1] - e["data_offsets"][0])
+                                               for e in header.values())),
+                          flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+        memory = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping for as long as a view lives
+        buffer, tensors, offset = memoryview(arena), {}, 0
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            file.seek(8 + header_size + begin)
+            if file.readinto(buffer[offset:offset + end - begin]) != end - begin:
+                raise OSError(f"{path}: {name} is cut short")
+            tensors[name] = memory[offset:offset + end - begin].view(_DTYPES[entry["dtype"]]).view(entry["shape"])
+            offset += _aligned(end - begin)
+        buffer.release()
+    return tensors

@@ -448,19 +448,19 @@ def save_packed(weights: dict[str, PackedWeight], path) -> None:
 
 
 def load_packed(path) -> dict[str, PackedWeight] | None:
-    """What save_packed wrote (copied into huge pages where the system has them: huge_pages.py), or None if the
-    file is of another layout version."""
+    """What save_packed wrote (read into huge pages where the system has them: huge_pages.py, else memory-mapped), or
+    None if the file is of another layout version."""
     import json
 
     from safetensors import safe_open
 
-    from specserve.models.huge_pages import huge_page_copies
+    from specserve.models.huge_pages import read_safetensors
 
     with safe_open(str(path), framework="pt") as reader:
         header = reader.metadata() or {}
         if header.get("version") != str(PACK_VERSION):
             return None
-        loaded = huge_page_copies({key: reader.get_tensor(key) for key in reader.keys()})
+        loaded = read_safetensors(path) or {key: reader.get_tensor(key) for key in reader.keys()}
 
         def stored(prefix: str, fields: dict) -> PackedWeight:
             return PackedWeight(*(loaded.get(f"{prefix}.{f}") for f in _TENSOR_FIELDS), **fields)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from safetensors.torch import load_file, save_file
 
 from specserve.engine.engine import Engine
 from specserve.models import cpu_kernels, quant
 from specserve.models.gguf_convert import llama_row_order
-from specserve.models.huge_pages import huge_page_copies
+from specserve.models.huge_pages import huge_pages_available, read_safetensors
 from specserve.models.loader import ModelLoadError, load_model
 from specserve.speculative.draft_model import DraftModelMethod
 from specserve.speculative.ngram import NGramMethod
@@ -244,18 +243,27 @@ def test_packed_weights_cache_round_trip(tmp_path):
         assert torch.equal(back[name].matmul(x, out_fp32=True), w.matmul(x, out_fp32=True))
 
 
-def test_huge_page_copies_keep_every_tensor_and_share_one_mapping():
+@pytest.mark.skipif(not huge_pages_available(), reason="no MADV_HUGEPAGE on this system")
+def test_safetensors_read_into_huge_pages_equal_the_librarys_reading(tmp_path):
     tensors = {"codes": torch.randint(0, 255, (3, 5, 7), dtype=torch.uint8), "scales": torch.randn(33).half(),
-               "empty": torch.empty(0, 4), "transposed": torch.randn(6, 4).t(), "index": torch.arange(5)}
-    copies = huge_page_copies(tensors)
-    assert list(copies) == list(tensors)
-    for name, tensor in tensors.items():
-        copy = copies[name]
-        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape and torch.equal(copy, tensor)
-        assert copy.is_contiguous() and copy.data_ptr() % 4096 == 0
-    if sys.platform == "linux":  # one mapping, each tensor on pages of its own
-        starts = sorted(copies[name].data_ptr() for name in ("codes", "scales", "transposed", "index"))
-        assert all(0 < b - a <= 4096 for a, b in zip(starts, starts[1:]))
+               "empty": torch.empty(0, 4), "states": torch.randn(6, 4).bfloat16(), "index": torch.arange(5),
+               "scalar": torch.tensor(2.5)}
+    save_file(tensors, str(tmp_path / "w.st"), metadata={"version": "1"})
+    read = read_safetensors(tmp_path / "w.st")
+    expected = load_file(str(tmp_path / "w.st"))
+    assert sorted(read) == sorted(expected)
+    for name, tensor in expected.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape
+        assert torch.equal(read[name], tensor) and read[name].data_ptr() % 4096 == 0
+    starts = sorted(read[name].data_ptr() for name in ("codes", "scales", "states", "index", "scalar"))
+    assert all(b - a == 4096 for a, b in zip(starts, starts[1:]))  # one mapping, a page each
+    # the controls: a dtype this reader does not know leaves the file to safetensors; a cut file is an error
+    save_file({"eight": torch.zeros(4).to(torch.float8_e4m3fn)}, str(tmp_path / "f8.st"))
+    assert read_safetensors(tmp_path / "f8.st") is None
+    whole = (tmp_path / "w.st").read_bytes()
+    (tmp_path / "cut.st").write_bytes(whole[:-8])
+    with pytest.raises(OSError, match="cut short"):
+        read_safetensors(tmp_path / "cut.st")
 
 
 def test_fused_parts_are_cached_once_and_map_back_as_views_of_one_weight(tmp_path):
