@@ -36,6 +36,14 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
+def huge_page_buffer(size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A new private anonymous mapping of `size` bytes advised MADV_HUGEPAGE, and a uint8 tensor over all of it
+    (which holds the mapping for as long as it or a view of it lives). Only where huge_pages_available()."""
+    arena = mmap.mmap(-1, max(_ALIGN, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    return arena, torch.frombuffer(arena, dtype=torch.uint8)
+
+
 def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
     """The file's tensors as views of one new mapping advised MADV_HUGEPAGE; None where this system has no such
     advice or the file holds a dtype this reader does not know (read it with safetensors then)."""
@@ -47,11 +55,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
         header.pop("__metadata__", None)
         if any(entry["dtype"] not in _DTYPES for entry in header.values()):
             return None
-        arena = mmap.mmap(-1, max(_ALIGN, sum(_aligned(e["data_offsets"][1] - e["data_offsets"][0])
-                                               for e in header.values())),
-                          flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arena.madvise(mmap.MADV_HUGEPAGE)
-        memory = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping for as long as a view lives
+        arena, memory = huge_page_buffer(sum(_aligned(e["data_offsets"][1] - e["data_offsets"][0])
+                                             for e in header.values()))
         buffer, tensors, offset = memoryview(arena), {}, 0
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
