@@ -72,7 +72,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
 def _read_in_parallel(fd: int, buffer: memoryview, places: list[tuple[int, int, int]], path: Path) -> None:
     """The file's byte ranges into the buffer, in chunks of _CHUNK spread over the machine's threads: the first
     touch of each fresh 2 MB page is the load's cost (on a VM, the hypervisor's too), and threads pay it side by
-    side (a 942 MB file on a 2-core VM: 2.5-3.6x faster on two threads than on one)."""
+    side (docs/design-notes.md)."""
     chunks = [(at + start, source + start, min(_CHUNK, size - start))
               for at, source, size in places for start in range(0, size, _CHUNK)]
     threads = max(1, min(torch.get_num_threads(), len(chunks)))

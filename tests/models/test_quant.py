@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType, quants
 from safetensors.torch import load_file, save_file
 
 from specserve.engine.engine import Engine
-from specserve.models import cpu_kernels, quant
+from specserve.models import cpu_kernels, huge_pages, quant
 from specserve.models.gguf_convert import llama_row_order
 from specserve.models.huge_pages import huge_pages_available, read_safetensors
 from specserve.models.loader import ModelLoadError, load_model
@@ -244,19 +244,22 @@ def test_packed_weights_cache_round_trip(tmp_path):
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="no MADV_HUGEPAGE on this system")
-def test_safetensors_read_into_huge_pages_equal_the_librarys_reading(tmp_path):
+def test_safetensors_read_into_huge_pages_equal_the_librarys_reading(tmp_path, monkeypatch):
     tensors = {"codes": torch.randint(0, 255, (3, 5, 7), dtype=torch.uint8), "scales": torch.randn(33).half(),
                "empty": torch.empty(0, 4), "states": torch.randn(6, 4).bfloat16(), "index": torch.arange(5),
-               "scalar": torch.tensor(2.5)}
+               "scalar": torch.tensor(2.5), "large": torch.randn(3000)}
     save_file(tensors, str(tmp_path / "w.st"), metadata={"version": "1"})
-    read = read_safetensors(tmp_path / "w.st")
     expected = load_file(str(tmp_path / "w.st"))
-    assert sorted(read) == sorted(expected)
-    for name, tensor in expected.items():
-        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape
-        assert torch.equal(read[name], tensor) and read[name].data_ptr() % 4096 == 0
-    starts = sorted(read[name].data_ptr() for name in ("codes", "scales", "states", "index", "scalar"))
-    assert all(b - a == 4096 for a, b in zip(starts, starts[1:]))  # one mapping, a page each
+    for chunk in (64 << 20, 1000):  # 1,000 bytes: "large" comes in 12 reads, spread over the threads
+        monkeypatch.setattr(huge_pages, "_CHUNK", chunk)
+        read = read_safetensors(tmp_path / "w.st")
+        assert sorted(read) == sorted(expected)
+        for name, tensor in expected.items():
+            assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape
+            assert torch.equal(read[name], tensor) and read[name].data_ptr() % 4096 == 0
+        spans = sorted((t.data_ptr(), t.numel() * t.element_size()) for t in read.values() if t.numel())
+        # one mapping, each tensor on pages of its own, right after the one before
+        assert all(b[0] - a[0] == -(-a[1] // 4096) * 4096 for a, b in zip(spans, spans[1:]))
     # the controls: a dtype this reader does not know leaves the file to safetensors; a cut file is an error
     save_file({"eight": torch.zeros(4).to(torch.float8_e4m3fn)}, str(tmp_path / "f8.st"))
     assert read_safetensors(tmp_path / "f8.st") is None
