@@ -25,7 +25,7 @@ from tqdm import tqdm
 from specserve.bench.jsonl import read_jsonl
 from specserve.bench.method_run import MethodRun
 from specserve.config import ConfigError, DeploymentConfig, build_engine
-from specserve.models.huge_pages import huge_page_buffer, huge_pages_available
+from specserve.models.huge_pages import huge_page_buffer
 from specserve.models.loader import LoadedModel
 from specserve.speculative.registry import PLAIN
 from specserve.speculative.sampling import SamplingParams
@@ -283,9 +283,8 @@ def roofline(model, rounds: int = 7, megabytes: int = 512) -> dict:
     from specserve.models.step_costs import StepCosts
 
     weight_bytes = streamed_weight_bytes(model)
-    size = megabytes * 2**20  # far larger than the caches, in pages of the size the packed weights have
-    buffer = huge_page_buffer(size)[1] if huge_pages_available() else torch.empty(size, dtype=torch.uint8)
-    buffer.fill_(1)
+    # far larger than the caches, in pages of the size the packed weights have
+    buffer = huge_page_buffer(megabytes * 2**20).fill_(1)
     memory_read_seconds(buffer, repeats=1)  # first touch: page faults, not reads
     pairs = []
     plain_step = StepCosts.forward_run(model, 1, 1)

@@ -181,7 +181,7 @@ def gguf_packed_weights(gguf_path: Path, hf_config, cache_dir: Path) -> dict[str
     except OSError as exc:  # a read-only cache only costs the next start the packing again
         print(f"specserve: could not cache packed weights in {cached}: {exc}", file=sys.stderr)
         return packed
-    return quant.load_packed(cached) or packed  # in huge pages: the memory they were packed in is freed
+    return quant.load_packed(cached) or packed  # read back from the file: the memory they were packed in is freed
 
 
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))

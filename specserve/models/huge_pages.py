@@ -39,12 +39,14 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
-def huge_page_buffer(size: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """A new private anonymous mapping of `size` bytes advised MADV_HUGEPAGE, and a uint8 tensor over all of it
-    (which holds the mapping for as long as it or a view of it lives). Only where huge_pages_available()."""
+def huge_page_buffer(size: int) -> torch.Tensor:
+    """`size` uninitialised bytes (uint8) in a new private anonymous mapping advised MADV_HUGEPAGE, which the tensor
+    and its views hold for as long as they live; ordinary memory where huge_pages_available() is false."""
+    if not huge_pages_available():
+        return torch.empty(size, dtype=torch.uint8)
     arena = mmap.mmap(-1, max(_ALIGN, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena.madvise(mmap.MADV_HUGEPAGE)
-    return arena, torch.frombuffer(arena, dtype=torch.uint8)
+    return torch.frombuffer(arena, dtype=torch.uint8)[:size]
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
@@ -63,8 +65,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor] | None:
             begin, end = entry["data_offsets"]
             places[name] = (offset, 8 + header_size + begin, end - begin)
             offset += _aligned(end - begin)
-        arena, memory = huge_page_buffer(offset)
-        _read_in_parallel(file.fileno(), memoryview(arena), list(places.values()), path)
+        memory = huge_page_buffer(offset)
+        _read_in_parallel(file.fileno(), memoryview(memory.numpy()), list(places.values()), path)
     return {name: memory[at:at + size].view(_DTYPES[header[name]["dtype"]]).view(header[name]["shape"])
             for name, (at, _, size) in places.items()}
 
