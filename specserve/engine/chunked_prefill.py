@@ -6,15 +6,15 @@ run back to back and owe nothing. The shortest remaining prompt goes first."""
 
 from __future__ import annotations
 
-from specserve.engine.sequence import Sequence
+from specserve.engine.sequence import Sequence, kv_capacity
 from specserve.models.kv_cache import KVCache
 
 
 class ChunkedPrefills:
     SHARE = 0.25  # of the time, at most, for long prompts' chunks while other requests decode
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, model, draft_slots: int):
+        self.model, self.draft_slots = model, draft_slots
         self.caches: dict[Sequence, KVCache] = {}  # the prompts being prefilled, each in its own cache
         self.credit = 0.0  # seconds of chunks the decoding requests' time has paid for
 
@@ -25,7 +25,8 @@ class ChunkedPrefills:
         return seq in self.caches
 
     def start(self, seq: Sequence) -> None:
-        self.caches[seq] = KVCache.for_model(self.engine.model, 1, self.engine.capacity_for(seq.context, seq.params))
+        capacity = kv_capacity(len(seq.context), seq.params, self.draft_slots)
+        self.caches[seq] = KVCache.for_model(self.model, 1, capacity)
 
     def cancel(self, seq: Sequence) -> None:
         self.caches.pop(seq, None)
@@ -34,22 +35,7 @@ class ChunkedPrefills:
         """The prompt whose chunk runs now, or None (none waiting, or the decoding requests' turn)."""
         if not self.caches or (decoding and self.credit < 0):
             return None
-        return min(self.caches, key=lambda seq: self.engine.prefill_remaining(self.caches[seq], seq))
-
-    def run(self, seq: Sequence) -> tuple[KVCache | None, object] | None:
-        """The prompt's next chunk: None while more are left; after its last, (its cache, the event of the forward
-        that sampled its first token); (None, the exception) where it failed, which ends this request alone."""
-        cache = self.caches[seq]
-        try:
-            if self.engine.prefill_chunk(cache, seq):
-                done = None
-            else:
-                del self.caches[seq]
-                done = cache, self.engine.forward(cache, [seq])[0]
-        except Exception as exc:  # noqa: BLE001 - this request's failure alone
-            self.caches.pop(seq, None)
-            done = None, exc
-        return done
+        return min(self.caches, key=lambda seq: seq.uncached(int(self.caches[seq].lengths[0])))
 
     def spent(self, seconds: float, decoding: bool) -> None:
         """A chunk took `seconds`, and then others were decoding or not (nobody waited for it: it owes nothing)."""

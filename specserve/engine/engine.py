@@ -21,7 +21,7 @@ from specserve.checks import ConfigError
 from specserve.engine.batch import BatchEngine
 from specserve.engine.output import StopChecker, StreamEvent
 from specserve.engine.request import GenerationResult
-from specserve.engine.sequence import PREFILL_CHUNK, Sequence
+from specserve.engine.sequence import PREFILL_CHUNK, Sequence, kv_capacity
 from specserve.engine.verify_batch import VerifyBatch
 from specserve.models.kv_cache import KVCache
 from specserve.models.loader import LoadedModel
@@ -151,7 +151,7 @@ class Engine:
 
     def capacity_for(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
-        return len(prompt_ids) + params.max_tokens + self.draft_slots
+        return kv_capacity(len(prompt_ids), params, self.draft_slots)
 
     def open_batch(self, max_active: int, adaptive_draft: bool = True) -> BatchEngine:
         """A continuous batch of up to `max_active` requests over this engine (the server's runner steps it)."""
@@ -186,14 +186,10 @@ class Engine:
         if self._solo_batch is not None:
             self._solo_batch.forget_acceptance()
 
-    def prefill_remaining(self, cache: KVCache, seq: Sequence) -> int:
-        """Prompt tokens of `seq` (row 0 of `cache`) not yet in the cache, its pending last token included."""
-        return len(seq.tokens) + len(seq.pending) - int(cache.lengths[0]) if not seq.prefilled else 0
-
     def prefill_chunk(self, cache: KVCache, seq: Sequence) -> bool:
         """Run the next PREFILL_CHUNK prompt tokens of `seq` (row 0 of `cache`) into the cache when more than one
         chunk remains; False when the rest fits in the ordinary forward (or the prompt is done)."""
-        if self.prefill_remaining(cache, seq) <= PREFILL_CHUNK:
+        if seq.uncached(int(cache.lengths[0])) <= PREFILL_CHUNK:
             return False
         start = int(cache.lengths[0])
         chunk = seq.tokens[start:start + PREFILL_CHUNK]

@@ -24,6 +24,11 @@ from specserve.speculative.verify import mask_logits, verify
 PREFILL_CHUNK = MAX_KERNEL_TOKENS  # a chunk runs on the row-invariant kernels
 
 
+def kv_capacity(prompt_tokens: int, params: SamplingParams, draft_slots: int) -> int:
+    """KV slots a request can ever use: its prompt, its output and one verify step's `draft_slots`."""
+    return prompt_tokens + params.max_tokens + draft_slots
+
+
 class Sequence:
     """One request's decoding state: committed tokens, the token not yet fed to the target, its proposer and
     draft, stop handling and metrics. The engine's forward feeds it; `commit` applies the verdict."""
@@ -69,6 +74,10 @@ class Sequence:
         """The request's own limit on draft tokens per step (`num_speculative_tokens`; none: unbounded)."""
         cap = self.params.num_speculative_tokens
         return float("inf") if cap is None else cap
+
+    def uncached(self, cached: int) -> int:
+        """Prompt tokens, the pending last one included, not in the first `cached` slots (0 once prefilled)."""
+        return len(self.tokens) + len(self.pending) - cached if not self.prefilled else 0
 
     def feed(self, cached: int) -> list[int]:
         """The tokens the next forward must run: those not yet in the cache, then the draft."""

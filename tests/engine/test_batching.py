@@ -7,6 +7,8 @@ import pytest
 
 from specserve.engine.batch import BatchEngine
 from specserve.engine.engine import Engine
+from specserve.engine.execute import execute
+from specserve.engine.scheduler import StepKind
 from specserve.models.step_costs import StepCosts
 from specserve.speculative.base import DraftKind, Proposal, Proposer, SpecMethod
 from specserve.speculative.draft_model import DraftModelMethod
@@ -35,6 +37,30 @@ def run_batched(batch: BatchEngine, requests) -> dict:
         steps += 1
         assert steps < 10_000
     return results
+
+
+def test_a_step_is_scheduled_as_data_executed_by_the_engine_and_applied(loaded):
+    """The scheduler plans each forward as data (its kind, rows, cache and draft plan) without running the model;
+    the engine runs it; the scheduler applies its output. Driven by hand, the same tokens as each request alone."""
+    engine = Engine(loaded("llama"), NGramMethod(1, 3), 4)
+    requests = [(prompt, SamplingParams(max_tokens=12, ignore_eos=True)) for prompt in PROMPTS[:3]]
+    batch = BatchEngine(engine, max_batch_size=2)
+    seqs = [batch.add(prompt, params) for prompt, params in requests]
+    kinds, results = [], {}
+    while batch.has_work():
+        step = batch.schedule()
+        kinds.append(step.kind)
+        if step.kind is StepKind.PREFILL:  # a new request's row, alone
+            assert step.cache.batch == 1 and step.seqs[0].metrics.target_forwards == 0
+        else:
+            assert step.seqs == batch.rows and step.plan.draft_len <= 4
+        output = execute(engine, step)
+        assert len(output.events) == len(step.seqs)
+        for seq, event in batch.update(step, output):
+            if event.result is not None:
+                results[seqs.index(seq)] = event.result.token_ids
+    assert kinds[:2] == [StepKind.PREFILL] * 2 and kinds[2] is StepKind.DECODE and StepKind.CHUNK not in kinds
+    assert results == {i: engine.generate(prompt, params).token_ids for i, (prompt, params) in enumerate(requests)}
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram", "draft_target"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine.batch import BatchStats
+from specserve.engine.scheduler import BatchStats
 from specserve.engine.output import StreamEvent
 from specserve.speculative.sampling import SamplingParams
 

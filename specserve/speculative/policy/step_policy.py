@@ -1,5 +1,5 @@
-"""What a batch's decoding step drafts, and what the step teaches, behind the two calls the batch engine makes a
-step: `plan(rows)` and, after the verify forward, `observe`.
+"""What a batch's decoding step drafts, and what the step teaches, behind the calls the scheduler makes a step:
+`plan(rows)` and `counts(rows)` as it schedules the step, and `observe` once it ran.
 
 A plan holds the draft length the rows share (draft_length.py, by the method's kind of drafting: the most expected
 tokens per second from the target's measured cost per forward size and each request's acceptance), the price of a
@@ -67,16 +67,18 @@ class StepPolicy:
         return StepPlan(draft_len, verify, cheap)
 
     @staticmethod
-    def before(seqs: list[Request]) -> list[tuple]:
-        """The rows' draft counts and proposals as the verify forward starts (observe's `before`)."""
-        return [(seq, seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens, seq.proposal)
-                for seq in seqs]
+    def counts(seqs: list[Request]) -> list[tuple]:
+        """The rows' draft counts as a step starts (observe's `counts`)."""
+        return [(seq, seq.metrics.total_draft_tokens, seq.metrics.total_accepted_draft_tokens) for seq in seqs]
 
-    def observe(self, before: list[tuple], wall: float, plan: StepPlan) -> None:
-        """The verified step of the rows in `before`, which took `wall` seconds from its plan on."""
+    def observe(self, counts: list[tuple], proposals: list, wall: float, plan: StepPlan) -> None:
+        """The verified step of the rows in `counts`, which drafted `proposals` (None: a row whose drafting failed,
+        which teaches nothing) and took `wall` seconds."""
         verdicts = [Verdict(seq, seq.metrics.total_draft_tokens - drafted,
                             seq.metrics.total_accepted_draft_tokens - accepted, proposal)
-                    for seq, drafted, accepted, proposal in before]
+                    for (seq, drafted, accepted), proposal in zip(counts, proposals) if proposal is not None]
+        if not verdicts:
+            return
         self.draft_length.observe(verdicts)
         if self.gates is not None:
             self.gates.observe(verdicts, wall, plan.verify)
