@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specserve.bench.offline import chat_texts
+from specserve.models.chat_template import chat_texts
 from specserve.engine.engine import Engine
 from specserve.models.loader import load_model
 from specserve.speculative.sampling import SamplingParams

@@ -187,7 +187,8 @@ def bench(
                                          "trees, next to a plain step."),
 ) -> None:
     """Compare methods with plain decoding and HF transformers on one prompt set (concurrency 1, greedy)."""
-    from specserve.bench.offline import PEER_METHODS, chat_texts, format_table, load_prompts, run_bench
+    from specserve.bench.offline import PEER_METHODS, format_table, load_prompts, run_bench
+    from specserve.models.chat_template import chat_texts
 
     check_output_file(json_file)
     try:
@@ -408,6 +409,8 @@ def distill_command(
     skip_distilled: list[Path] = typer.Option([], help="Earlier distill directories whose prompts this run skips."),
     max_tokens: int = typer.Option(128, help="Response tokens the target generates per prompt."),
     batch_size: int = typer.Option(16, help="Requests decoded together."),
+    chat: bool = typer.Option(False, "--chat", help="Ask each prompt as a user's message through the target's chat "
+                                                    "template: data for a head that drafts chat answers."),
 ) -> None:
     """Self-distillation data for head training: the target's greedy responses and its features (resumable)."""
     from specserve.train.distill import distill_tokens, saved_prompts, unseen_prompts
@@ -423,7 +426,7 @@ def distill_command(
         check_held_out(train_prompts, [p for path in held_out for p in read_prompt_file(path)])
         model = load_model(target)
         report = distill_tokens(model, Path(target).name, train_prompts, out, features, max_tokens=max_tokens,
-                                batch_size=batch_size)
+                                batch_size=batch_size, chat=chat)
     except (*USER_ERRORS, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     typer.echo(json.dumps(report))

@@ -70,10 +70,11 @@ def test_bench_chat_asks_each_prompt_as_the_chat_endpoint_does(checkpoint, tmp_p
     from specserve.bench import offline
     from specserve.cli import chat_turn, deployment_config
     from specserve.config import build_engine
+    from specserve.models.chat_template import chat_texts
 
     question = "What is ML?"
     engine = build_engine(deployment_config(checkpoint("llama"), None, None, None, None, None, "float32"))
-    [text] = offline.chat_texts(engine.tokenizer, [question])
+    [text] = chat_texts(engine.tokenizer, [question])
     assert engine.tokenizer(text).input_ids == chat_turn(engine, question)
     seen, run_bench = [], offline.run_bench
     monkeypatch.setattr(offline, "run_bench", lambda config, target, prompts, *rest: seen.extend(prompts) or

@@ -51,22 +51,6 @@ def load_prompts(path: Path, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def chat_texts(tokenizer, prompts: list[str]) -> list[str]:
-    """Each prompt asked as one user message: the text of the model's chat template, which every runner tokenizes
-    as it tokenizes a prompt, into the ids /v1/chat/completions makes of that message (a template that writes the
-    BOS its tokenizer adds anyway leaves it to the tokenizer). ConfigError for a model without a template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("--chat: this model has no chat template")
-    bos = tokenizer.bos_token
-    adds_bos = bos is not None and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]
-    texts = []
-    for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        texts.append(text[len(bos):] if adds_bos and text.startswith(bos) else text)
-    return texts
-
-
 def warm_up(generate: Callable, prompt: str, max_tokens: int) -> float:
     """One untimed request of full length; returns its seconds (the one-time costs), reported apart."""
     start = time.perf_counter()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
+from specserve.checks import ConfigError
 from specserve.files import write_text_atomically
 
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|eom_id|>")
@@ -109,3 +110,19 @@ def read_template_file(path: str | Path) -> str:
         raise ChatTemplateError(f"the chat template {path} is not valid Jinja (line {exc.lineno}: {exc.message})"
                                 ) from None
     return text
+
+
+def chat_texts(tokenizer, prompts: list[str]) -> list[str]:
+    """Each prompt asked as one user message: the text of the model's chat template, which every runner tokenizes
+    as it tokenizes a prompt, into the ids /v1/chat/completions makes of that message (a template that writes the
+    BOS its tokenizer adds anyway leaves it to the tokenizer). ConfigError for a model without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--chat: this model has no chat template")
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]
+    texts = []
+    for prompt in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        texts.append(text[len(bos):] if adds_bos and text.startswith(bos) else text)
+    return texts

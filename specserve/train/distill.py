@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from specserve.engine.engine import Engine
+from specserve.models.chat_template import chat_texts
 from specserve.files import write_atomically
 from specserve.models.loader import LoadedModel
 from specserve.speculative.base import Proposal, Proposer, SpecMethod
@@ -41,6 +42,7 @@ class DistillSettings:
     max_tokens: int = 128
     temperature: float = 0.0
     shard_size: int = 64
+    chat: bool = False  # each prompt asked as a user's message through the target's chat template
 
 
 def shard_file(directory: Path, index: int) -> Path:
@@ -92,11 +94,13 @@ def read_shard(path: Path, prompts: list[str] | None = None) -> list[dict]:
 
 
 def distill_tokens(target: LoadedModel, name: str, prompts: list[str], directory, feature_dir=None,
-                   max_tokens: int = 128, batch_size: int = 16, shard_size: int = 64) -> dict:
+                   max_tokens: int = 128, batch_size: int = 16, shard_size: int = 64, chat: bool = False) -> dict:
     """Generate every shard not yet on disk (greedy, continuous batches of `batch_size`; no drafting: a batch
-    of 16 rows is compute-bound, where drafts cost more than they save). Returns token counts and seconds."""
+    of 16 rows is compute-bound, where drafts cost more than they save). With `chat`, each prompt is asked as a
+    user's message through the target's chat template (the ids /v1/chat/completions makes of it): the data of a
+    head that drafts for chat. Returns token counts and seconds."""
     directory = Path(directory)
-    settings = DistillSettings(target=name, max_tokens=max_tokens, shard_size=shard_size)
+    settings = DistillSettings(target=name, max_tokens=max_tokens, shard_size=shard_size, chat=chat)
     check_manifest(directory, settings, MANIFEST)
     if not (directory / PROMPTS).exists():
         write_prompts(directory / PROMPTS, prompts)
@@ -113,9 +117,10 @@ def distill_tokens(target: LoadedModel, name: str, prompts: list[str], directory
     for index, chunk in enumerate(shards):
         if index in done:
             continue
-        recorded = generate_recording(engine, chunk, max_tokens, batch_size)
+        texts = chat_texts(target.tokenizer, chunk) if chat else chunk
+        recorded = generate_recording(engine, texts, max_tokens, batch_size)
         sequences = [ids for ids, _ in recorded]
-        lengths = [len(engine.encode(p)) for p in chunk]
+        lengths = [len(engine.encode(text)) for text in texts]
         atomic_save([features for _, features in recorded], feature_file(feature_dir, index))
         body = {"prompts_sha256": prompts_digest(chunk),
                 "sequences": [{"prompt_tokens": n, "ids": ids} for n, ids in zip(lengths, sequences)]}

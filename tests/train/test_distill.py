@@ -121,3 +121,19 @@ def test_features_batched_on_transformers_equal_specserves_own_forward(distilled
             assert got[key].shape == want[key].shape
             error = (got[key].float() - want[key].float()).norm() / want[key].float().norm()
             assert error < 1e-2, (key, float(error))  # bf16 rounding of near-equal fp32 values
+
+
+def test_chat_data_asks_each_prompt_through_the_chat_template(loaded, tmp_path):
+    from specserve.models.chat_template import chat_texts
+
+    target = loaded("llama")
+    prompts = ["What is a star?", "Name a colour."]
+    distill_tokens(target, "llama", prompts, tmp_path / "tokens", tmp_path / "features", max_tokens=6, batch_size=2,
+                   shard_size=2, chat=True)
+    engine = Engine(target)
+    for text, seq in zip(chat_texts(target.tokenizer, prompts), load_token_data(tmp_path / "tokens")):
+        assert seq["ids"][: seq["prompt_tokens"]] == engine.encode(text)
+        assert seq["ids"][seq["prompt_tokens"]:] == engine.generate(text, SamplingParams(max_tokens=6)).token_ids
+    with pytest.raises(ValueError, match="chat"):  # a chat directory is never resumed as plain text
+        distill_tokens(target, "llama", prompts, tmp_path / "tokens", tmp_path / "features", max_tokens=6,
+                       batch_size=2, shard_size=2)
