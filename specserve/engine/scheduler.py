@@ -51,8 +51,8 @@ class ScheduledStep:
 class StepOutput:
     events: list[StreamEvent | Exception | None]  # per scheduled sequence; an exception ended that request alone
     seconds: float  # the step's wall time, drafting included
-    proposals: list[Proposal | None] = field(default_factory=list)  # DECODE: each row's verified draft (None:
-    # its drafting failed)
+    # DECODE: each row's verified draft (None: its drafting failed)
+    proposals: list[Proposal | None] = field(default_factory=list)
     prefilled: bool = True  # CHUNK: False while more of the prompt is left
 
 
