@@ -141,17 +141,13 @@ class Engine:
         get `capacity` slots, by default the request's own size rather than the full context."""
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         grammar = (checked or self.check_request(prompt_ids, params)).grammar
-        capacity = capacity or self.capacity_for(prompt_ids, params)
+        capacity = capacity or kv_capacity(len(prompt_ids), params, self.draft_slots)
         generator = params.make_generator()
         proposer = self.method.new_proposer(params, generator, capacity) if self.max_draft_len else None
         if proposer is not None:
             proposer.grammar = grammar
         return Sequence(prompt_ids, params, generator, proposer, StopChecker(self.tokenizer, params, self.eos_ids),
                         grammar)
-
-    def capacity_for(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """KV slots a request can ever use: its prompt, its output and one verify step's draft."""
-        return kv_capacity(len(prompt_ids), params, self.draft_slots)
 
     def open_batch(self, max_active: int, adaptive_draft: bool = True) -> BatchEngine:
         """A continuous batch of up to `max_active` requests over this engine (the server's runner steps it)."""
